@@ -1,0 +1,22 @@
+"""The CPU reference backend: the one CI runs, and the fallback every machine has."""
+
+from __future__ import annotations
+
+from crosstrain.backend import Backend
+from crosstrain.backends.cpu.device import CpuDevice
+from crosstrain.device import Device
+from crosstrain.kernels import KernelRegistry
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    priority = 0
+    capabilities = frozenset({"bf16", "fp16"})
+    install_hint = "cpu"
+
+    def make_device(self) -> Device:
+        return CpuDevice()
+
+    def register_kernels(self, registry: KernelRegistry) -> None:
+        # The references are the CPU kernels; native optimizer kernels live in crosstrain.backends.cpu.native.
+        return None

@@ -1,0 +1,83 @@
+"""The Backend: what a hardware plug-in hands to crosstrain through the ``crosstrain_register_backends`` hook.
+
+A backend bundles the four interfaces for one accelerator type: its :class:`~crosstrain.device.Device`,
+a :class:`~crosstrain.collective.Collective` bound to that device, kernel implementations registered into
+the :class:`~crosstrain.kernels.KernelRegistry`, and a checkpoint storage (the core's default unless the
+backend overrides it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from crosstrain.device import CAPABILITIES, Availability, Device
+
+if TYPE_CHECKING:
+    from crosstrain.checkpoint import Checkpointer
+    from crosstrain.collective import Collective
+    from crosstrain.kernels import KernelRegistry
+
+
+class Backend:
+    """Base class for backends. Subclasses set ``name``, ``priority``, ``capabilities`` and ``make_device``."""
+
+    #: unique name, also the value of ``CROSSTRAIN_BACKEND`` and config ``backend``.
+    name: str = ""
+    #: ``backend = "auto"`` picks the available backend with the highest priority.
+    priority: int = 0
+    #: subset of :data:`crosstrain.device.CAPABILITIES`.
+    capabilities: frozenset[str] = frozenset()
+    #: names of the extras that install what this backend needs (shown in error messages).
+    install_hint: str = ""
+
+    def __init__(self) -> None:
+        unknown = set(self.capabilities) - set(CAPABILITIES)
+        if unknown:
+            raise ValueError(f"backend {self.name!r} declares unknown capabilities {sorted(unknown)}")
+        self._device: Device | None = None
+
+    def make_device(self) -> Device:
+        """Build this backend's Device (called once, lazily)."""
+        raise NotImplementedError
+
+    def device(self) -> Device:
+        if self._device is None:
+            self._device = self.make_device()
+        return self._device
+
+    def availability(self) -> Availability:
+        """Run-time probe; never raises (a failing probe is reported as unavailable with its error)."""
+        try:
+            return self.device().availability()
+        except Exception as exc:  # a probe must never break discovery
+            return Availability(False, f"probe failed: {type(exc).__name__}: {exc}")
+
+    def collective(self) -> Collective:
+        """A Collective bound to this backend's device and torch.distributed backend."""
+        from crosstrain.collective import Collective
+
+        return Collective(self.device())
+
+    def register_kernels(self, registry: KernelRegistry) -> None:
+        """Register this backend's fast kernel implementations (default: none, references are used)."""
+
+    def checkpointer(self) -> Checkpointer:
+        """The checkpoint storage to use (default: the core's local-filesystem implementation)."""
+        from crosstrain.checkpoint import LocalCheckpointer
+
+        return LocalCheckpointer()
+
+    def has(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+    def describe(self) -> dict[str, Any]:
+        avail = self.availability()
+        info: dict[str, Any] = {"name": self.name, "priority": self.priority}
+        try:
+            info.update(self.device().describe())
+        except Exception as exc:
+            info.update({"available": False, "reason": f"probe failed: {exc}", "device_count": 0})
+        info["available"] = avail.available
+        info["reason"] = avail.reason
+        info["capabilities"] = sorted(self.capabilities)
+        return info

@@ -1,0 +1,1 @@
+"""Core CLI subcommands, one module each (``add_parser(subparsers)``)."""

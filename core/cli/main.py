@@ -1,0 +1,58 @@
+"""The ``crosstrain`` command line: core subcommands plus those plugins add through the hook."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from crosstrain import __version__
+from crosstrain.errors import CrosstrainError
+
+#: core subcommand modules under ``crosstrain.cli.commands``; each defines ``add_parser(subparsers)``.
+CORE_COMMANDS = ("train", "data", "checkpoint", "backends", "kernels", "doctor")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="crosstrain", description="Train on whatever accelerator you have.")
+    parser.add_argument("--version", action="version", version=f"crosstrain {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log plugin discovery and backend choice")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in CORE_COMMANDS:
+        module_name = f"crosstrain.cli.commands.{name}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # command not shipped in this build
+                continue
+            raise
+        module.add_parser(sub)
+    from crosstrain import pluginmanager
+
+    pluginmanager.call_each("crosstrain_add_commands", subparsers=sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO if "-v" in args_list or "--verbose" in args_list else logging.ERROR,
+                        format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CrosstrainError as exc:
+        print(f"crosstrain: error: {exc}", file=sys.stderr)
+        return int(getattr(exc, "exit_code", 1))
+    except KeyboardInterrupt:
+        print("crosstrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Errors that crosstrain reports to users as one clear line."""
+
+from __future__ import annotations
+
+
+class CrosstrainError(Exception):
+    """Base class for errors crosstrain raises on purpose."""
+
+
+class ConfigError(CrosstrainError):
+    """A configuration value is missing, unknown, mistyped or impossible. The CLI exits with code 2."""
+
+    exit_code = 2
+
+
+class BackendUnavailableError(CrosstrainError):
+    """The requested backend cannot run on this machine (the message says why)."""
+
+    exit_code = 3
+
+
+class PluginError(CrosstrainError):
+    """A plugin misbehaved in a way that cannot be isolated (e.g. two plugins claim one backend name)."""
+
+    exit_code = 4
+
+
+class KernelError(CrosstrainError):
+    """Unknown kernel op, or an implementation that cannot take the given inputs."""
+
+
+class CheckpointError(CrosstrainError):
+    """A checkpoint is missing, incomplete, corrupt or unsafe to load."""
+
+    exit_code = 5
+
+
+class CollectiveError(CrosstrainError):
+    """A collective failed: mismatched arguments across ranks, or a timeout (names the op and rank)."""

@@ -1,0 +1,241 @@
+"""The built-in decoder-only GPT: RMSNorm, rotary embeddings, SwiGLU, optional tied embeddings.
+
+Plain PyTorch in the torchtitan style: blocks live in a ``ModuleDict`` keyed by index so pipeline stages
+can drop the layers they do not own (and ``tok_embeddings``/``norm``/``output`` may be ``None`` on inner
+stages); attention infers the local head count from the projection width, so tensor-parallel plans that
+shard heads need no model change. Every hot op goes through the kernel registry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from crosstrain import kernels
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT. ``ffn_dim`` 0 means ``8/3 * dim`` rounded up to a multiple of 32."""
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0
+    ffn_dim: int = 0
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        return 32 * math.ceil(8 * self.dim / 3 / 32)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+#: Presets from CPU-seconds to ~1B parameters (byte-level vocabulary unless overridden).
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=256),
+    "small": GPTConfig(dim=256, n_layers=4, n_heads=8, max_seq_len=512),
+    "100m": GPTConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=1024, tie_embeddings=True),
+    "350m": GPTConfig(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, max_seq_len=2048),
+    "1b": GPTConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, max_seq_len=2048),
+}
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` tables ``[max_seq_len, head_dim/2]`` for the rotate-half convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None
+    ) -> tuple[torch.Tensor, KVCache]:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q = kernels.rotary_embedding(q, cos, sin)
+        k = kernels.rotary_embedding(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if past is not None:
+            k = torch.cat((past[0], k), dim=2)
+            v = torch.cat((past[1], v), dim=2)
+        present = (k, v)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            rep = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        if past is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            past_len = k.shape[2] - seqlen
+            rows = torch.arange(seqlen, device=x.device).unsqueeze(1) + past_len
+            cols = torch.arange(k.shape[2], device=x.device).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        return self.wo(out), present
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(kernels.swiglu(self.w1(x), self.w3(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None
+    ) -> tuple[torch.Tensor, KVCache]:
+        attn, present = self.attention(self.attention_norm(x), cos, sin, past)
+        h = x + attn
+        return h + self.feed_forward(self.ffn_norm(h)), present
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``forward(tokens)`` returns logits ``[B, T, vocab]``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.dim % cfg.n_heads:
+            raise ValueError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
+        if cfg.n_heads % cfg.kv_heads:
+            raise ValueError(f"model.n_heads={cfg.n_heads} must be divisible by model.n_kv_heads={cfg.kv_heads}")
+        self.config = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """(Re)initialise parameters and rope tables; used after building on the meta device."""
+        cfg = self.config
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        device = buffer_device or self.rope_cos.device
+        if device.type != "meta":
+            self.rope_cos = cos.to(device)
+            self.rope_sin = sin.to(device)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=0.02)
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        for block in self.layers.values():
+            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
+                        block.feed_forward.w3):
+                nn.init.normal_(lin.weight, std=0.02)
+            nn.init.normal_(block.attention.wo.weight, std=out_std)
+            nn.init.normal_(block.feed_forward.w2.weight, std=out_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=cfg.dim**-0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.forward_with_cache(tokens, None)
+        return logits
+
+    def forward_with_cache(
+        self, tokens: torch.Tensor, past: list[KVCache] | None
+    ) -> tuple[torch.Tensor, list[KVCache]]:
+        """Run with an optional per-layer ``(k, v)`` cache ``[B, kv_heads, T_past, head_dim]``.
+
+        Returns logits (or hidden states on a stage without ``output``) and the new per-layer caches.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        start = 0 if past is None else past[0][0].shape[2]
+        cos = self.rope_cos[start : start + seqlen]
+        sin = self.rope_sin[start : start + seqlen]
+        presents: list[KVCache] = []
+        for i, block in enumerate(self.layers.values()):
+            h, present = block(h, cos, sin, None if past is None else past[i])
+            presents.append(present)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h, presents
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (6N + attention), as in the PaLM/torchtitan MFU estimate."""
+        cfg = self.config
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+def build_gpt(preset: str = "tiny", **overrides: object) -> GPT:
+    """Build a GPT from a preset name with field overrides (e.g. ``vocab_size=256``)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model.preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    base = PRESETS[preset].to_dict()
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return GPT(GPTConfig(**base))

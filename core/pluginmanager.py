@@ -1,0 +1,115 @@
+"""The plugin manager: loads every plugin registered under the ``crosstrain`` entry-point group.
+
+A plugin that fails to import is recorded in :func:`load_errors` and skipped; it never breaks
+``import crosstrain`` or the other plugins.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from crosstrain import hookspecs
+
+log = logging.getLogger("crosstrain.plugins")
+
+ENTRY_POINT_GROUP = "crosstrain"
+
+
+@dataclass(frozen=True)
+class PluginLoadError:
+    """A plugin that could not be loaded or whose hook raised."""
+
+    name: str
+    error: str
+
+
+_lock = threading.Lock()
+_manager: pluggy.PluginManager | None = None
+_errors: list[PluginLoadError] = []
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+        except Exception as exc:
+            record_error(ep.name, exc)
+
+
+def record_error(name: str, exc: BaseException | str) -> None:
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    _errors.append(PluginLoadError(name, text))
+    log.warning("crosstrain plugin %r failed: %s", name, text)
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, created and populated on first use."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            pm = pluggy.PluginManager(hookspecs.PROJECT)
+            pm.add_hookspecs(hookspecs)
+            _load_entry_points(pm)
+            _manager = pm
+        return _manager
+
+
+def register(plugin: Any, name: str | None = None) -> None:
+    """Register a plugin object or module in-process (tests, notebooks); clears cached discoveries."""
+    plugin_manager().register(plugin, name=name)
+    _invalidate()
+
+
+def unregister(name: str) -> None:
+    pm = plugin_manager()
+    plugin = pm.get_plugin(name)
+    if plugin is not None:
+        pm.unregister(plugin)
+    _invalidate()
+
+
+def load_errors() -> list[PluginLoadError]:
+    plugin_manager()
+    return list(_errors)
+
+
+def call_each(hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    """Call a hook on every plugin separately, so one raising plugin is reported and the rest still run.
+
+    Returns ``(plugin_name, result)`` for every implementation that returned without raising.
+    """
+    pm = plugin_manager()
+    caller = getattr(pm.hook, hook_name)
+    results: list[tuple[str, Any]] = []
+    for impl in reversed(caller.get_hookimpls()):
+        args = {k: kwargs[k] for k in impl.argnames}
+        try:
+            results.append((impl.plugin_name, impl.function(**args)))
+        except Exception as exc:
+            record_error(impl.plugin_name, exc)
+    return results
+
+
+def import_module_safely(name: str) -> Any:
+    """Import a module or return None, recording the failure as a plugin error."""
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:
+        record_error(name, exc)
+        return None
+
+
+def _invalidate() -> None:
+    from crosstrain import registry
+
+    registry.reset()
