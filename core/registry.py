@@ -85,7 +85,9 @@ def select_backend(requested: str | None = None) -> Selection:
         backend = get_backend(name)
         avail = backend.availability()
         if not avail:
-            hint = f" (install it with: pip install 'crosstrain[{backend.install_hint}]')" if backend.install_hint else ""
+            hint = ""
+            if backend.install_hint:
+                hint = f" (install it with: pip install 'crosstrain[{backend.install_hint}]')"
             raise BackendUnavailableError(f"backend {name!r} is not available: {avail.reason}{hint}")
         return Selection(backend, [(name, True, "")])
     probes: list[tuple[str, bool, str]] = []

@@ -53,11 +53,15 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     console.print(f"[bold]crosstrain {data['crosstrain']}[/bold] on Python {data['python']} ({data['platform']})")
-    console.print(f"CPUs: {data['cpu_count']}, torch threads: {data['torch_threads']}, torch build: {data['torch_build']}")
+    console.print(f"CPUs: {data['cpu_count']}, torch threads: {data['torch_threads']}, "
+                  f"torch build: {data['torch_build']}")
     for pkg, ver in data["packages"].items():
         console.print(f"  {pkg:12s} {ver or '-'}")
     for name, info in data["backends"].items():
-        state = f"available, {info['device_count']} device(s)" if info["available"] else f"unavailable: {info['reason']}"
+        if info["available"]:
+            state = f"available, {info['device_count']} device(s)"
+        else:
+            state = f"unavailable: {info['reason']}"
         console.print(f"backend {name}: {state}")
     for k, v in data["env"].items():
         console.print(f"  {k}={v}")
