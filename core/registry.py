@@ -120,5 +120,5 @@ def set_active_backend(name_or_backend: str | Backend | None) -> Backend:
         _active = select_backend(name_or_backend).backend
     from crosstrain.kernels import registry as kernel_registry
 
-    kernel_registry.set_active_backend(_active.name)
+    kernel_registry.set_active_backend(_active.name, _active.device().type)
     return _active

@@ -63,6 +63,7 @@ class KernelRegistry:
         self._impls: dict[str, list[KernelImpl]] = {}
         self._lock = threading.Lock()
         self.active_backend: str | None = None
+        self.active_device_type: str | None = None
         self._mode = self._mode_from_env()
         self._populated = False
 
@@ -130,8 +131,10 @@ class KernelRegistry:
             raise KernelError(f"kernels mode {mode!r} is not allowed; use one of {', '.join(MODES)}")
         self._mode = mode
 
-    def set_active_backend(self, name: str | None) -> None:
+    def set_active_backend(self, name: str | None, device_type: str | None = None) -> None:
+        """Prefer ``name``'s kernels for tensors on ``device_type`` (other device types keep their own)."""
         self.active_backend = name
+        self.active_device_type = device_type
 
     @contextmanager
     def use_reference(self) -> Iterator[None]:
@@ -156,10 +159,13 @@ class KernelRegistry:
         if tensor is None:
             return spec.reference
         device_type = tensor.device.type
+        # On the active backend's device type only its own kernels apply (cuda and rocm share "cuda");
+        # tensors on another device type (e.g. host tensors of an offloaded optimizer) use that type's kernels.
+        exclusive = self.active_backend is not None and device_type == self.active_device_type
         for impl in self._impls[op]:
             if impl.device_type != device_type:
                 continue
-            if self.active_backend is not None and impl.backend != self.active_backend:
+            if exclusive and impl.backend != self.active_backend:
                 continue
             if impl.accepts(args, kwargs):
                 return impl.fn
