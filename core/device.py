@@ -47,7 +47,7 @@ class Device(ABC):
 
     #: torch device type (``"cpu"``, ``"cuda"``, ``"npu"``, ...).
     type: str = "cpu"
-    #: torch.distributed backend the device needs (``"gloo"``, ``"nccl"``, ``"hccl"``).
+    #: torch.distributed backend the device needs (gloo on the host; accelerators name their own library).
     dist_backend: str = "gloo"
     #: environment variable that restricts the visible devices, if any.
     visible_devices_env: str | None = None

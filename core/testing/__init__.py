@@ -1,0 +1,1 @@
+"""Test utilities shipped with crosstrain (multi-process runner, op inputs, the conformance suite)."""

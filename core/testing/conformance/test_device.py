@@ -1,0 +1,82 @@
+"""Device interface conformance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from crosstrain.device import CAPABILITIES, MemoryStats
+
+
+def test_identity(backend, device):
+    assert backend.name
+    assert set(backend.capabilities) <= set(CAPABILITIES)
+    assert device.device_count() >= 1
+    assert device.dist_backend
+    assert device.device_for_local_rank(0).type == device.type
+    assert device.current_device().type == device.type
+
+
+def test_tensor_on_device_and_synchronize(device):
+    x = torch.arange(16, dtype=torch.float32, device=device.current_device())
+    y = (x * 2).sum()
+    device.synchronize()
+    assert y.item() == 240.0
+
+
+def test_rng_round_trip(device):
+    dev = device.current_device()
+    device.manual_seed(1234)
+    state = device.get_rng_state()
+    a = torch.rand(64, device=dev)
+    device.set_rng_state(state)
+    b = torch.rand(64, device=dev)
+    assert torch.equal(a, b)
+    c = torch.rand(64, device=dev)
+    assert not torch.equal(a, c)
+
+
+def test_memory_stats_track_allocation(device):
+    dev = device.current_device()
+    device.reset_peak_memory_stats()
+    before = device.memory_stats()
+    assert isinstance(before, MemoryStats)
+    assert before.peak >= before.allocated >= 0
+    block = torch.ones(32 * 1024 * 1024, dtype=torch.uint8, device=dev)  # 32 MiB, touched
+    device.synchronize()
+    after = device.memory_stats()
+    assert after.peak >= before.allocated + 16 * 1024 * 1024
+    assert after.total == 0 or after.total >= after.peak
+    del block
+    device.empty_cache()
+
+
+def test_dtypes_and_autocast(device):
+    dtypes = device.supported_dtypes()
+    assert torch.float32 in dtypes
+    ac = device.autocast_dtype()
+    assert ac in dtypes
+    a = torch.randn(8, 8, device=device.current_device())
+    with torch.autocast(device_type=device.type, dtype=ac):
+        out = a @ a
+    assert out.dtype == ac
+
+
+def test_peak_flops_positive(device):
+    assert device.peak_flops(torch.float32) > 0
+
+
+def test_streams_and_events_when_declared(backend, device):
+    if not backend.has("streams"):
+        pytest.skip(f"backend {backend.name!r} declares no streams")
+    stream = device.stream()
+    start, end = device.event(enable_timing=True), device.event(enable_timing=True)
+    assert stream is not None and start is not None and end is not None
+
+
+def test_pin_memory(backend, device):
+    t = torch.ones(1024)
+    pinned = device.pin_memory(t)
+    assert torch.equal(pinned, t)
+    if backend.has("pinned_memory"):
+        assert pinned.is_pinned()

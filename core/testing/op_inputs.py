@@ -1,0 +1,87 @@
+"""Sample inputs and dtype-aware tolerances for checking kernel implementations against their references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: (atol, rtol) per dtype for forward outputs and input gradients.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+
+#: shapes checked per op: odd widths, a single row, and a long row.
+ROWS_AND_WIDTHS = ((1, 8), (7, 97), (33, 256), (2, 4099))
+
+
+def _rms_norm(rows: int, width: int, device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple:
+    x = torch.randn(rows, width, generator=g).to(device=device, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(width, generator=g)).to(device=device, dtype=dtype)
+    return (x, w, 1e-5), (0, 1)
+
+
+def _rotary(rows: int, width: int, device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple:
+    head_dim = max(2, (width // 2) * 2 if width < 256 else 128)
+    seq = max(1, rows)
+    x = torch.randn(2, seq, 3, head_dim, generator=g).to(device=device, dtype=dtype)
+    angles = torch.randn(seq, head_dim // 2, generator=g)
+    return (x, angles.cos().to(device), angles.sin().to(device)), (0,)
+
+
+def _swiglu(rows: int, width: int, device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple:
+    gate = torch.randn(rows, width, generator=g).to(device=device, dtype=dtype)
+    up = torch.randn(rows, width, generator=g).to(device=device, dtype=dtype)
+    return (gate, up), (0, 1)
+
+
+def _cross_entropy(rows: int, width: int, device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple:
+    logits = torch.randn(rows, width, generator=g).to(device=device, dtype=dtype)
+    targets = torch.randint(0, width, (rows,), generator=g)
+    if rows > 2:
+        targets[1] = -100
+    return (logits, targets.to(device), -100), (0,)
+
+
+def _linear_ce(rows: int, width: int, device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple:
+    hidden = (torch.randn(rows, 32, generator=g) * 0.5).to(device=device, dtype=dtype)
+    weight = (torch.randn(width, 32, generator=g) * 0.2).to(device=device, dtype=dtype)
+    targets = torch.randint(0, width, (rows,), generator=g).to(device)
+    return (hidden, weight, targets, -100), (0, 1)
+
+
+#: op name -> builder(rows, width, device, dtype, generator) -> (args, indices of args that need gradients)
+SAMPLES: dict[str, Callable[..., tuple[tuple[Any, ...], tuple[int, ...]]]] = {
+    "rms_norm": _rms_norm,
+    "rotary_embedding": _rotary,
+    "swiglu": _swiglu,
+    "cross_entropy": _cross_entropy,
+    "linear_cross_entropy": _linear_ce,
+}
+
+
+def compare_with_reference(impl: Callable[..., Any], reference: Callable[..., Any], op: str, device: torch.device,
+                           dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> None:
+    """Assert that ``impl`` matches ``reference`` in forward output and input gradients (raises AssertionError)."""
+    g = torch.Generator().manual_seed(seed)
+    args, grad_idx = SAMPLES[op](rows, width, device, dtype, g)
+
+    def run(fn: Callable[..., Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [a.detach().clone().requires_grad_(i in grad_idx) if isinstance(a, torch.Tensor) else a
+                  for i, a in enumerate(args)]
+        out = fn(*leaves)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.device)
+        (out.float() * upstream).sum().backward()
+        return out.detach(), [leaves[i].grad for i in grad_idx]
+
+    out_impl, grads_impl = run(impl)
+    out_ref, grads_ref = run(reference)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out_impl.float(), out_ref.float(), atol=atol, rtol=rtol, msg=f"{op} forward")
+    for i, (gi, gr) in enumerate(zip(grads_impl, grads_ref)):
+        assert gi is not None, f"{op}: no gradient for input {grad_idx[i]}"
+        torch.testing.assert_close(gi.float(), gr.float(), atol=atol, rtol=rtol,
+                                   msg=f"{op} gradient of input {grad_idx[i]}")
