@@ -32,6 +32,11 @@ _OPS = {
 }
 
 
+# torch >= 2.11 renamed the tensor-in/tensor-out collectives; keep working on the older names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _reduce_op(op: str | dist.ReduceOp) -> dist.ReduceOp:
     if not isinstance(op, str):
         return op
@@ -99,7 +104,7 @@ class Collective:
         if self._single(group):
             output.copy_(tensor.reshape(output.shape))
             return None
-        return dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+        return _all_gather_single(output, tensor, group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum",
                        group: Any = None, async_op: bool = False) -> Any:
@@ -107,7 +112,7 @@ class Collective:
         if self._single(group):
             output.copy_(tensor.reshape(output.shape))
             return None
-        return dist.reduce_scatter_tensor(output, tensor, op=_reduce_op(op), group=group, async_op=async_op)
+        return _reduce_scatter_single(output, tensor, op=_reduce_op(op), group=group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False) -> Any:
         if self._single(group):

@@ -1,0 +1,115 @@
+"""Collective bandwidth: crosstrain's Collective vs raw torch.distributed, side by side, on 2 gloo processes.
+
+For all_reduce, all_gather, reduce_scatter and all_to_all at sizes from 1 KB to 64 MB, prints algbw and busbw
+(nccl-tests definitions: algbw = bytes / time; busbw = algbw * 2(n-1)/n for all_reduce, * (n-1)/n for the others;
+bytes is the larger of the input and output buffers) for both, and their ratio. The two implementations are timed in
+alternation (ABBA order) on the same buffers and the median of the repetitions is kept, so machine noise hits both
+alike. Last line: JSON with ``worst_ratio`` (lowest crosstrain/raw busbw ratio at sizes >= 1 MB).
+
+    python benchmarks/collectives.py [--world 2] [--max-mb 64] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from crosstrain.collective import Collective, _all_gather_single, _reduce_scatter_single
+from crosstrain.testing.multiprocess import run_ranks
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def bus_factor(op: str, n: int) -> float:
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def _calls(op: str, c: Collective, nbytes: int, n: int):
+    """(crosstrain call, raw torch.distributed call) doing the same work on the same buffers."""
+    numel = max(n, nbytes // 4 // n * n)
+    if op == "all_reduce":
+        t = torch.ones(numel)
+        return (lambda: c.all_reduce(t)), (lambda: dist.all_reduce(t)), numel * 4
+    if op == "all_gather":
+        inp, out = torch.ones(numel // n), torch.empty(numel)
+        return (lambda: c.all_gather(out, inp)), (lambda: _all_gather_single(out, inp)), numel * 4
+    if op == "reduce_scatter":
+        inp, out = torch.ones(numel), torch.empty(numel // n)
+        return (lambda: c.reduce_scatter(out, inp)), (lambda: _reduce_scatter_single(out, inp)), numel * 4
+    inp, out = torch.ones(numel), torch.empty(numel)
+    return (lambda: c.all_to_all(out, inp)), (lambda: dist.all_to_all_single(out, inp)), numel * 4
+
+
+def _timed(fn, iters: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank defines the collective's time
+    return float(elapsed.item()) / iters
+
+
+def bench(c: Collective, sizes: list[int], reps: int) -> list[dict]:
+    n = c.world_size
+    rows = []
+    for op in OPS:
+        for size in sizes:
+            ours, raw, nbytes = _calls(op, c, size, n)
+            iters = max(2, min(200, int(8e6 // max(nbytes, 1))))
+            for fn in (ours, raw):  # warm up both paths
+                _timed(fn, 2)
+            t_ours, t_raw = [], []
+            for rep in range(reps):
+                order = ((ours, t_ours), (raw, t_raw)) if rep % 2 == 0 else ((raw, t_raw), (ours, t_ours))
+                for fn, sink in order:
+                    sink.append(_timed(fn, iters))
+            m_ours, m_raw = statistics.median(t_ours), statistics.median(t_raw)
+            alg_ours, alg_raw = nbytes / m_ours / 1e9, nbytes / m_raw / 1e9
+            f = bus_factor(op, n)
+            rows.append({"op": op, "bytes": nbytes, "time_us_crosstrain": m_ours * 1e6, "time_us_raw": m_raw * 1e6,
+                         "algbw_crosstrain": alg_ours, "busbw_crosstrain": alg_ours * f,
+                         "algbw_raw": alg_raw, "busbw_raw": alg_raw * f, "ratio": m_raw / m_ours})
+    return rows
+
+
+def _rank_main(c: Collective, sizes: list[int], reps: int) -> list[dict] | None:
+    rows = bench(c, sizes, reps)
+    return rows if c.rank == 0 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--min-kb", type=int, default=1)
+    parser.add_argument("--max-mb", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    sizes = []
+    size = args.min_kb * 1024
+    while size <= args.max_mb * 1024 * 1024:
+        sizes.append(size)
+        size *= 4
+    rows = run_ranks(_rank_main, args.world, sizes, args.reps, backend="cpu", timeout=3600)[0]
+    header = (f"{'op':15s}{'bytes':>12s}{'algbw ct':>10s}{'busbw ct':>10s}{'algbw raw':>10s}{'busbw raw':>10s}"
+              f"{'ratio':>8s}")
+    print(f"gloo, {args.world} processes; bandwidths in GB/s; ratio = crosstrain busbw / raw busbw")
+    print(header)
+    for r in rows:
+        print(f"{r['op']:15s}{r['bytes']:>12d}{r['algbw_crosstrain']:>10.3f}{r['busbw_crosstrain']:>10.3f}"
+              f"{r['algbw_raw']:>10.3f}{r['busbw_raw']:>10.3f}{r['ratio']:>8.3f}")
+    big = [r for r in rows if r["bytes"] >= 1 << 20]
+    worst = min((r["ratio"] for r in big), default=float("nan"))
+    worst_row = min(big, key=lambda r: r["ratio"]) if big else {}
+    print(json.dumps({"worst_ratio": round(worst, 4), "worst_at": {"op": worst_row.get("op"),
+                      "bytes": worst_row.get("bytes")}, "world_size": args.world, "backend": "gloo",
+                      "median_ratio_ge_1mb": round(statistics.median(r["ratio"] for r in big), 4) if big else None}))
+
+
+if __name__ == "__main__":
+    main()
