@@ -1,0 +1,173 @@
+"""Greedy and sampled generation with a KV cache, on PyTorch or onnxruntime, behind one small interface.
+
+Both engines run the same computation (the reference kernels of the GPT, a prefill over the prompt and one
+forward per new token feeding back the cache) so greedy decoding yields identical tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from crosstrain.kernels import registry as kernel_registry
+from crosstrain.models.gpt import GPT, GPTConfig
+from crosstrain.plugins.export.errors import ExportError
+
+
+class Engine(Protocol):
+    """Runs ``input_ids [B, T]`` on top of an opaque cache; returns ``[B, T, vocab]`` fp32 logits and the new cache."""
+
+    config: GPTConfig
+    tokenizer: dict[str, Any]
+
+    def forward(self, ids: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]: ...
+
+    def empty_cache(self, batch: int) -> Any: ...
+
+
+class TorchEngine:
+    """PyTorch eager with the GPT's own ``forward_with_cache`` (reference kernels, like the exported graph)."""
+
+    def __init__(self, model: GPT, tokenizer: dict[str, Any] | None = None) -> None:
+        from crosstrain.plugins.export.loading import tokenizer_metadata
+
+        self.model = model.eval()
+        self.config = model.config
+        self.tokenizer = tokenizer or tokenizer_metadata(model.config)
+
+    def empty_cache(self, batch: int) -> Any:
+        return None
+
+    def forward_torch(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        with kernel_registry.use_reference(), torch.inference_mode():
+            return self.model.forward_with_cache(ids, cache)
+
+    def forward(self, ids: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:
+        logits, cache = self.forward_torch(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), cache)
+        return logits.float().numpy(), cache
+
+
+class OrtEngine:
+    """onnxruntime on an exported model; the cache is the list of ``present`` arrays fed back as ``past``."""
+
+    def __init__(self, path: str | os.PathLike[str], threads: int | None = None, session: Any = None) -> None:
+        from crosstrain.plugins.export.runtime import make_session, read_metadata
+
+        self.path = str(path)
+        self.session = session if session is not None else make_session(path, threads)
+        self.config, self.tokenizer = read_metadata(self.session)
+        self._past_names = [i.name for i in self.session.get_inputs()][1:]
+        if len(self._past_names) != 2 * self.config.n_layers:
+            raise ExportError(f"{path} has {len(self._past_names)} cache inputs, expected {2 * self.config.n_layers}; "
+                              "re-export it with `crosstrain export`")
+
+    def empty_cache(self, batch: int) -> list[np.ndarray]:
+        cfg = self.config
+        empty = np.zeros((batch, cfg.kv_heads, 0, cfg.head_dim), dtype=np.float32)
+        return [empty] * (2 * cfg.n_layers)
+
+    def forward(self, ids: np.ndarray, cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        feeds = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64)}
+        feeds.update(zip(self._past_names, cache))
+        outs = self.session.run(None, feeds)
+        return outs[0], outs[1:]
+
+
+# -- tokenizer ----------------------------------------------------------------------------------------------------
+def encode(tokenizer: dict[str, Any], text: str) -> list[int]:
+    if tokenizer.get("type") != "byte":
+        raise ExportError(f"this model has no byte tokenizer (vocab {tokenizer.get('vocab_size')}); "
+                          "pass token ids with --prompt-ids instead of --prompt")
+    return list(text.encode(tokenizer.get("encoding", "utf-8")))
+
+
+def decode(tokenizer: dict[str, Any], ids: list[int]) -> str:
+    if tokenizer.get("type") != "byte":
+        return " ".join(str(i) for i in ids)
+    return bytes(i for i in ids if 0 <= i < 256).decode(tokenizer.get("encoding", "utf-8"), errors="replace")
+
+
+# -- sampling -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sampling:
+    """``temperature`` 0 is greedy (argmax); otherwise softmax sampling with optional top-k / top-p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
+    """Next token per row of ``logits [B, vocab]``."""
+    if sampling.temperature <= 0:
+        return logits.argmax(axis=-1)
+    scaled = logits.astype(np.float64) / sampling.temperature
+    if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
+        kth = np.sort(scaled, axis=-1)[:, -sampling.top_k][:, None]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if sampling.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1)
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < sampling.top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    u = rng.random((probs.shape[0], 1))
+    return np.minimum((np.cumsum(probs, axis=-1) < u).sum(axis=-1), probs.shape[-1] - 1)
+
+
+def check_length(cfg: GPTConfig, prompt_len: int, max_new_tokens: int) -> None:
+    """Raise a one-line error when the prompt plus the new tokens do not fit the model's context."""
+    if prompt_len < 1:
+        raise ExportError("the prompt is empty; give at least one token")
+    if max_new_tokens < 0:
+        raise ExportError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if prompt_len + max_new_tokens > cfg.max_seq_len:
+        raise ExportError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} = "
+                          f"{prompt_len + max_new_tokens} exceeds the model's max_seq_len {cfg.max_seq_len}; "
+                          "shorten the prompt or lower --max-new-tokens")
+
+
+def generate(
+    engine: Engine,
+    prompt: list[int] | list[list[int]],
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+    eos_id: int | None = None,
+) -> list[list[int]]:
+    """Generate ``max_new_tokens`` after each prompt (equal-length prompts form one batch); returns new tokens."""
+    sampling = sampling or Sampling()
+    rows = [prompt] if prompt and isinstance(prompt[0], int) else prompt
+    if not rows or len({len(r) for r in rows}) != 1:  # type: ignore[arg-type]
+        raise ExportError("prompts in one batch must have the same length")
+    ids = np.asarray(rows, dtype=np.int64)
+    cfg = engine.config
+    check_length(cfg, ids.shape[1], max_new_tokens)
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ExportError(f"prompt token ids must lie in [0, {cfg.vocab_size})")
+    rng = np.random.default_rng(sampling.seed)
+    cache = engine.empty_cache(ids.shape[0])
+    out: list[np.ndarray] = []
+    done = np.zeros(ids.shape[0], dtype=bool)
+    step_ids = ids
+    for i in range(max_new_tokens):
+        logits, cache = engine.forward(step_ids, cache)
+        nxt = pick(logits[:, -1, :], sampling, rng).astype(np.int64)
+        out.append(nxt)
+        if eos_id is not None:
+            done |= nxt == eos_id
+            if done.all():
+                break
+        if i + 1 < max_new_tokens:
+            step_ids = nxt[:, None]
+    if not out:
+        return [[] for _ in range(ids.shape[0])]
+    return np.stack(out, axis=1).tolist()

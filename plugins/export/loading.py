@@ -1,0 +1,234 @@
+"""Load a trained GPT for export: from a run dir, a checkpoint folder (sharded ones are consolidated) or a
+safetensors file, together with its model config and tokenizer metadata. Never unpickles anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from crosstrain.errors import CheckpointError
+from crosstrain.models.gpt import GPT, PRESETS, GPTConfig
+from crosstrain.plugins.export.errors import ExportError
+
+#: Metadata keys written into ONNX ``metadata_props`` and safetensors headers.
+META_CONFIG = "crosstrain.gpt_config"
+META_TOKENIZER = "crosstrain.tokenizer"
+META_SOURCE = "crosstrain.source"
+META_FORMAT = "crosstrain.export_format"
+FORMAT_VERSION = "1"
+
+_GPT_FIELDS = {f.name for f in dataclasses.fields(GPTConfig)}
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class LoadedModel:
+    """A GPT in eval mode on CPU (fp32) with the metadata an inference runtime needs."""
+
+    model: GPT
+    config: GPTConfig
+    tokenizer: dict[str, Any]
+    source: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def tokenizer_metadata(cfg: GPTConfig) -> dict[str, Any]:
+    """crosstrain trains on raw bytes: a 256-entry vocabulary is the byte tokenizer (token id == byte value)."""
+    if cfg.vocab_size == 256:
+        return {"type": "byte", "vocab_size": 256, "encoding": "utf-8", "bos_id": None, "eos_id": None}
+    return {"type": "none", "vocab_size": cfg.vocab_size}
+
+
+def gpt_config_from_dict(data: dict[str, Any], where: str = "config") -> GPTConfig:
+    """A GPTConfig from a GPTConfig dict, a ``model`` config section (``preset`` + overrides) or a full run config."""
+    if isinstance(data.get("model"), dict):
+        data = data["model"]
+    if data.get("import_path"):
+        raise ExportError(f"{where}: model.import_path={data['import_path']!r} is a user model; only the built-in "
+                          "GPT can be exported (export it with torch.onnx yourself)")
+    preset = data.get("preset")
+    if preset is not None and preset not in PRESETS:
+        raise ExportError(f"{where}: model.preset {preset!r} is not a built-in GPT preset ({', '.join(PRESETS)}); "
+                          "only the built-in GPT can be exported")
+    base = PRESETS[preset].to_dict() if preset else {}
+    base.update({k: v for k, v in data.items() if k in _GPT_FIELDS and v is not None})
+    if not base:
+        raise ExportError(f"{where} holds no model description; it needs model.preset or GPTConfig fields")
+    try:
+        return GPTConfig(**base)
+    except TypeError as exc:
+        raise ExportError(f"{where}: invalid model config ({exc})") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot read model config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ExportError(f"model config {path} is not a JSON object")
+    return data
+
+
+def build_model(cfg: GPTConfig, state: dict[str, torch.Tensor], source: str) -> GPT:
+    """A fp32 eval-mode GPT holding ``state`` (plain GPT parameter names; common wrapper prefixes stripped)."""
+    state = _strip_prefixes(state)
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items() if not k.startswith("rope_")}
+    if cfg.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    emb = state.get("tok_embeddings.weight")
+    if emb is not None and emb.ndim == 2 and emb.shape[0] != cfg.vocab_size and emb.shape[1] == cfg.dim:
+        cfg = dataclasses.replace(cfg, vocab_size=int(emb.shape[0]))  # vocab set by the data pipeline
+    try:
+        model = GPT(cfg)
+    except ValueError as exc:
+        raise ExportError(f"{source}: unsupported model config ({exc})") from exc
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        detail = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
+        raise ExportError(f"{source} is not a crosstrain GPT checkpoint ({detail}, {len(missing)} missing, "
+                          f"{len(unexpected)} unexpected keys); only the built-in GPT can be exported")
+    for name, tensor in expected.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise ExportError(f"{source}: {name} has shape {tuple(state[name].shape)} but the model config expects "
+                              f"{tuple(tensor.shape)}; fix the config next to the checkpoint")
+    model.load_state_dict(state, strict=True)
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for prefix in ("model.", "module.", "_orig_mod."):
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return {k.replace("._checkpoint_wrapped_module", "").replace("_orig_mod.", ""): v for k, v in state.items()}
+
+
+# -- checkpoints --------------------------------------------------------------------------------------------------
+def latest_checkpoint(folder: Path) -> Path:
+    """The newest complete checkpoint under ``folder`` (a ``checkpoints/`` folder)."""
+    try:
+        from crosstrain.checkpoint.manager import CheckpointManager
+    except ImportError:
+        CheckpointManager = None  # noqa: N806 - optional until the checkpoint manager lands
+    if CheckpointManager is not None:
+        manager = CheckpointManager(str(folder))
+        try:
+            info = manager.latest()
+        finally:
+            manager.close()
+        if info is None:
+            raise CheckpointError(f"no complete checkpoint under {folder}; train with checkpoint.every > 0")
+        return Path(getattr(info, "path", info))
+    steps = sorted(((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()),
+                   reverse=True)
+    if not steps:
+        raise CheckpointError(f"no checkpoint (step_N folder) under {folder}; train with checkpoint.every > 0")
+    return steps[0][1]
+
+
+def _consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
+    try:
+        from crosstrain.checkpoint.consolidate import load_consolidated
+    except ImportError as exc:
+        raise CheckpointError(f"cannot consolidate {ckpt}: this build has no crosstrain.checkpoint.consolidate; "
+                              "export a .safetensors file instead") from exc
+    state = load_consolidated(str(ckpt))
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _config_near(paths: list[Path], where: str) -> GPTConfig:
+    for p in paths:
+        if p.is_file():
+            return gpt_config_from_dict(_read_json(p), str(p))
+    raise ExportError(f"no model config found for {where} (looked for {', '.join(str(p) for p in paths)}); "
+                      "put the run's config.json next to it")
+
+
+def load_checkpoint_dir(ckpt: Path, run_dir: Path | None) -> LoadedModel:
+    state = _consolidate(ckpt)
+    candidates = [ckpt / "config.json", ckpt / "model_config.json"]
+    if run_dir is not None:
+        candidates.append(run_dir / "config.json")
+    cfg = _config_near(candidates, str(ckpt))
+    model = build_model(cfg, state, str(ckpt))
+    return LoadedModel(model, model.config, tokenizer_metadata(model.config), str(ckpt))
+
+
+# -- safetensors files --------------------------------------------------------------------------------------------
+def load_safetensors_file(path: Path) -> LoadedModel:
+    """A GPT state_dict in safetensors; its config from the file's metadata or a JSON file next to it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            state = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+    if META_CONFIG in meta:
+        cfg = gpt_config_from_dict(json.loads(meta[META_CONFIG]), f"{path} metadata")
+    else:
+        cfg = _config_near([path.with_suffix(".json"), path.parent / "config.json", path.parent.parent / "config.json"],
+                           str(path))
+    model = build_model(cfg, state, str(path))
+    tokenizer = json.loads(meta[META_TOKENIZER]) if META_TOKENIZER in meta else tokenizer_metadata(model.config)
+    return LoadedModel(model, model.config, tokenizer, str(path))
+
+
+def load_model(path: str | os.PathLike[str]) -> LoadedModel:
+    """Load from a run dir (newest checkpoint), a ``checkpoints/`` folder, one checkpoint, or a .safetensors file."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist; pass a run dir, a checkpoint folder or a .safetensors file")
+    if p.is_file():
+        if p.suffix == ".safetensors":
+            return load_safetensors_file(p)
+        if p.suffix == ".onnx":
+            raise ExportError(f"{p} is already an ONNX model; export needs a run dir, checkpoint or .safetensors file")
+        raise ExportError(f"{p}: unsupported file type {p.suffix!r}; pass a run dir, a checkpoint folder or a "
+                          ".safetensors file")
+    if (p / "checkpoints").is_dir():
+        return load_checkpoint_dir(latest_checkpoint(p / "checkpoints"), p)
+    if p.name == "checkpoints":
+        return load_checkpoint_dir(latest_checkpoint(p), p.parent)
+    if (p / "model.safetensors").is_file():
+        return load_safetensors_file(p / "model.safetensors")
+    run_dir = p.parent.parent if p.parent.name == "checkpoints" else None
+    if not any(p.iterdir()):
+        raise CheckpointError(f"{p} is empty; pass a run dir, a checkpoint folder or a .safetensors file")
+    return load_checkpoint_dir(p, run_dir)
+
+
+def save_safetensors(loaded: LoadedModel, out: str | os.PathLike[str]) -> Path:
+    """Write the model as one safetensors file with config + tokenizer metadata (temp file, then rename)."""
+    from safetensors.torch import load_file, save_file
+
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in loaded.model.state_dict().items()}
+    if loaded.config.tie_embeddings:
+        state.pop("output.weight", None)
+    meta = {META_CONFIG: json.dumps(loaded.config.to_dict()), META_TOKENIZER: json.dumps(loaded.tokenizer),
+            META_SOURCE: loaded.source, META_FORMAT: FORMAT_VERSION}
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(state, str(tmp), metadata=meta)
+        back = load_file(str(tmp))
+        bad = [k for k, v in state.items() if not torch.equal(back[k], v)]
+        if bad:
+            raise ExportError(f"safetensors round trip changed {bad[0]}; nothing written")
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
