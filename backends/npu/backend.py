@@ -1,0 +1,25 @@
+"""The npu Backend: NpuDevice, HCCL collectives, torch_npu fused kernels on device type ``npu``."""
+
+from __future__ import annotations
+
+from crosstrain.backend import Backend
+from crosstrain.device import Device
+from crosstrain.kernels import KernelRegistry
+
+
+class NpuBackend(Backend):
+    name = "npu"
+    priority = 90
+    capabilities = frozenset({"bf16", "fp16", "streams", "pinned_memory"})
+    install_hint = "npu"
+
+    def make_device(self) -> Device:
+        from crosstrain.backends.npu.device import NpuDevice
+
+        return NpuDevice()
+
+    def register_kernels(self, registry: KernelRegistry) -> None:
+        # Registration never imports torch_npu: the kernels import it on first call (on NPU tensors only).
+        from crosstrain.backends.npu.kernels import register_npu_kernels
+
+        register_npu_kernels(registry, backend=self.name)
