@@ -1,0 +1,299 @@
+"""A :class:`Checkpointer` on ``torch.distributed.checkpoint`` with an atomic, checksummed commit.
+
+Folder layout of one checkpoint (``step_N/``)::
+
+    __R_I.distcp     DCP tensor shards written by rank R (tensors only)
+    .metadata        DCP metadata (read back through a restricted unpickler)
+    meta.json        rank 0: step, world size, JSON skeleton of the global state (scalars, structure)
+    rankR.json       rank R: JSON skeleton of its RankLocal state
+    manifest.json    SHA-256 and size of every file above; written last
+
+Commit: every rank writes into ``step_N.tmp/`` (fsync per file), the per-rank file hashes are gathered to
+rank 0, which writes the manifest, fsyncs the folder, renames it to ``step_N/`` and fsyncs the parent.
+A crash at any instant leaves either no ``step_N/`` or a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal
+from crosstrain.checkpoint.interface import Checkpointer, SaveHandle
+from crosstrain.checkpoint.manifest import FORMAT_VERSION, META_FILE, Manifest, fsync_dir, write_durable
+from crosstrain.checkpoint.safe_io import (
+    HashingFileSystemWriter,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_metadata,
+)
+from crosstrain.checkpoint.tree import TENSOR_TAG, flatten, unflatten
+from crosstrain.errors import CheckpointError
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped or only partly restored (the message says why)."""
+
+
+def local_key(rank: int) -> str:
+    return f"__rank{rank}__"
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _is_stateful(obj: Any) -> bool:
+    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+
+
+def _tensor_paths(skeleton: Any) -> list[str]:
+    out: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if set(node) == {TENSOR_TAG}:
+                out.append(node[TENSOR_TAG])
+                return
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(skeleton)
+    return out
+
+
+@dataclass
+class Prepared:
+    """A state captured for saving: flat tensors for DCP plus JSON skeletons."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    local: dict[str, Any] | None
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+
+
+class DCPCheckpointer(Checkpointer):
+    """Sharded checkpoints through DCP. Every rank of ``process_group`` calls save/load with its shards."""
+
+    def __init__(self, process_group: Any = None, *, thread_count: int = 1) -> None:
+        self.group = process_group
+        self.thread_count = thread_count
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def prepare(self, state: Mapping[str, Any], step: int) -> Prepared:
+        """Call each entry's ``state_dict()`` and split it into DCP tensors and JSON skeletons."""
+        rank, world = _rank_world(self.group)
+        global_tree: dict[str, Any] = {}
+        local_tree: dict[str, Any] = {}
+        kinds: dict[str, str] = {}
+        for key, obj in state.items():
+            if "." in key or key.startswith("__"):
+                raise CheckpointError(f"checkpoint state key {key!r} may not contain '.' or start with '__'")
+            if isinstance(obj, RankLocal):
+                local_tree[key], kinds[key] = obj.state_dict(), "rank_local"
+            elif isinstance(obj, ModelOptimizerState):
+                global_tree[key], kinds[key] = obj.state_dict(), "model_optimizer"
+            elif _is_stateful(obj):
+                global_tree[key], kinds[key] = obj.state_dict(), "stateful"
+            elif isinstance(obj, Mapping):
+                global_tree[key], kinds[key] = dict(obj), "dict"
+            else:
+                raise CheckpointError(
+                    f"checkpoint entry {key!r} is a {type(obj).__name__}; use a dict or an object with "
+                    "state_dict()/load_state_dict()")
+        tensors, skeleton = flatten(global_tree)
+        local_tensors, local_skeleton = flatten({local_key(rank): local_tree})
+        tensors.update(local_tensors)
+        model_keys = [k for k, kind in kinds.items() if kind == "model_optimizer"]
+        meta = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "kinds": kinds,
+                "model_prefix": f"{model_keys[0]}.model." if model_keys else None, "global": skeleton}
+        local = {"rank": rank, "tree": local_skeleton[local_key(rank)]} if local_tree else None
+        return Prepared(step=int(step), tensors=tensors, meta=meta, local=local)
+
+    def write(self, prepared: Prepared, path: str | os.PathLike[str], *, group: Any = None,
+              on_commit: Callable[[Path, Manifest], None] | None = None) -> Manifest | None:
+        """Write and atomically commit ``prepared`` to ``path`` (collective over ``group``).
+
+        Rank 0 runs ``on_commit(path, manifest)`` after the rename, before the closing barrier.
+        Returns the manifest on rank 0, ``None`` elsewhere.
+        """
+        group = self.group if group is None else group
+        rank, world = _rank_world(group)
+        distributed = dist.is_initialized() and world > 1
+        final = Path(path)
+        tmp = final.with_name(final.name + ".tmp")
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        if distributed:
+            dist.barrier(group=group)
+        writer = HashingFileSystemWriter(tmp, thread_count=self.thread_count)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP's notes about overwrite defaults and no_dist
+                dcp.save(prepared.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
+        finally:
+            writer.fs.shutdown()
+        files = {name: {"sha256": d, "bytes": n} for name, (d, n) in writer.digests.items()}
+        if prepared.local is not None:
+            name = f"rank{rank}.json"
+            d, n = write_durable(tmp / name, json.dumps(prepared.local, sort_keys=True).encode())
+            files[name] = {"sha256": d, "bytes": n}
+        if rank == 0:
+            d, n = write_durable(tmp / META_FILE, json.dumps(prepared.meta, sort_keys=True).encode())
+            files[META_FILE] = {"sha256": d, "bytes": n}
+        gathered: list[Any] = [files]
+        if distributed:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, files, group=group)
+        manifest = None
+        if rank == 0:
+            merged: dict[str, Any] = {}
+            for part in gathered:
+                merged.update(part)
+            manifest = Manifest(step=prepared.step, world_size=world, files=merged)
+            manifest.write(tmp)
+            commit_folder(tmp, final)
+            if on_commit is not None:
+                on_commit(final, manifest)
+        if distributed:
+            dist.barrier(group=group)
+        return manifest
+
+    def save(self, state: Mapping[str, Any], path: str | os.PathLike[str], *, async_save: bool = False,
+             step: int = 0) -> SaveHandle:
+        """Synchronous save (``async_save`` is handled by :class:`CheckpointManager`)."""
+        self.write(self.prepare(state, step), path)
+        return SaveHandle()
+
+    # -- loading --------------------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike[str], state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Load into ``state`` (in place: Statefuls get ``load_state_dict``, dicts are updated).
+
+        Returns ``{"step": int}`` plus, when ``state`` is None, nothing else (use :func:`load_consolidated`).
+        """
+        if state is None:
+            raise CheckpointError("DCPCheckpointer.load needs the target state; use load_consolidated for tensors")
+        return {"step": self.load_into(path, state)}
+
+    def load_into(self, path: str | os.PathLike[str], state: Mapping[str, Any], *, group: Any = None) -> int:
+        group = self.group if group is None else group
+        rank, world = _rank_world(group)
+        folder = Path(path)
+        meta = read_meta(folder)
+        md = read_metadata(folder)
+        saved_world = int(meta["world_size"])
+        local_saved: dict[str, Any] = {}
+        if any(isinstance(o, RankLocal) for o in state.values()):
+            if saved_world != world:
+                warnings.warn(f"checkpoint {folder} was saved by {saved_world} ranks, this job has {world}: "
+                              "per-rank state (RNG, sampler) is not restored", CheckpointWarning, stacklevel=3)
+            else:
+                local_saved = _read_json(folder / f"rank{rank}.json").get("tree", {})
+        dcp_sd: dict[str, torch.Tensor] = {}
+        pending: list[tuple[str, Any, Any]] = []
+        for key, obj in state.items():
+            is_local = isinstance(obj, RankLocal)
+            if is_local and saved_world != world:
+                continue
+            skeleton = (local_saved if is_local else meta["global"]).get(key)
+            if skeleton is None:
+                warnings.warn(f"checkpoint {folder} has no entry {key!r}; keeping its current state",
+                              CheckpointWarning, stacklevel=3)
+                continue
+            current = obj.state_dict() if _is_stateful(obj) else dict(obj)
+            prefix_tree = {local_key(rank): {key: current}} if is_local else {key: current}
+            current_tensors, _ = flatten(prefix_tree)
+            saved_paths = _tensor_paths(skeleton)
+            missing = sorted(set(current_tensors) - set(saved_paths))
+            if missing:
+                raise CheckpointError(f"checkpoint {folder} lacks {len(missing)} tensors of {key!r} "
+                                      f"(e.g. {missing[0]}); it was saved from a different model or optimizer")
+            for p in saved_paths:
+                entry = md.state_dict_metadata.get(p)
+                if not isinstance(entry, TensorStorageMetadata):
+                    raise CheckpointError(f"checkpoint {folder} has no tensor data for {p!r}")
+                target = current_tensors.get(p)
+                if target is not None and tuple(target.shape) == tuple(entry.size):
+                    dcp_sd[p] = target
+                elif target is not None:
+                    raise CheckpointError(f"shape mismatch at {p}: checkpoint {tuple(entry.size)} vs "
+                                          f"model {tuple(target.shape)}; check model and parallel settings")
+                else:
+                    dcp_sd[p] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            pending.append((key, obj, skeleton))
+        distributed = dist.is_initialized() and world > 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's note about loading without a process group
+            dcp.load(dcp_sd, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(),
+                     process_group=group, no_dist=not distributed)
+        for key, obj, skeleton in pending:
+            tree = unflatten(skeleton, dcp_sd)
+            if _is_stateful(obj):
+                try:
+                    obj.load_state_dict(tree)
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    raise CheckpointError(f"cannot restore {key!r} from {folder}: {type(exc).__name__}: {exc}") \
+                        from None
+            else:
+                obj.clear()  # type: ignore[attr-defined]
+                obj.update(tree)  # type: ignore[attr-defined]
+        return int(meta["step"])
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        from crosstrain.checkpoint.verify import verify
+
+        return verify(path, checksums=False).ok
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return data
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    meta = _read_json(folder / META_FILE)
+    for k in ("step", "world_size", "global"):
+        if k not in meta:
+            raise CheckpointError(f"{folder / META_FILE} lacks {k!r}")
+    return meta
+
+
+def commit_folder(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` folder to ``final`` (moving an existing one aside first), durably."""
+    aside = final.with_name(final.name + ".old")
+    if final.exists():
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)

@@ -1,0 +1,273 @@
+"""CheckpointManager: step-numbered checkpoints in one folder, async saves, ``latest``, retention, resume.
+
+Layout: ``<folder>/step_N/`` (committed, see :mod:`crosstrain.checkpoint.dcp`), ``<folder>/latest`` (a text
+file naming the newest committed ``step_N``, replaced atomically after each commit).
+
+Every rank constructs the manager and calls ``save``/``wait``/``check_background``/``load``/``close`` at
+the same points. ``latest()`` only reads files and may be called anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from crosstrain.checkpoint.dcp import CheckpointWarning, DCPCheckpointer, Prepared
+from crosstrain.checkpoint.manifest import Manifest, atomic_write
+from crosstrain.checkpoint.retention import to_delete
+from crosstrain.checkpoint.staging import HostStager
+from crosstrain.checkpoint.verify import verify
+from crosstrain.errors import CheckpointError
+
+log = logging.getLogger("crosstrain.checkpoint")
+
+LATEST_FILE = "latest"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint: its step and folder; ``verified`` when its checksums were just checked."""
+
+    step: int
+    path: Path
+    verified: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def step_dirs(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Committed-looking ``step_N`` folders under ``folder``, newest first (not verified)."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    out = []
+    for child in root.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and child.is_dir():
+            out.append((int(m.group(1)), child))
+    return sorted(out, key=lambda sp: -sp[0])
+
+
+def read_latest_pointer(folder: str | os.PathLike[str]) -> str | None:
+    try:
+        return (Path(folder) / LATEST_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def find_latest(folder: str | os.PathLike[str], *, warn: bool = True) -> CheckpointInfo | None:
+    """The newest checkpoint under ``folder`` that verifies; others are skipped with a warning saying why."""
+    for step, path in step_dirs(folder):
+        report = verify(path)
+        if report.ok:
+            return CheckpointInfo(step=step, path=path, verified=True)
+        if warn:
+            msg = f"skipping checkpoint {path}: {report.reason}"
+            log.warning(msg)
+            warnings.warn(msg, CheckpointWarning, stacklevel=2)
+    return None
+
+
+class CheckpointManager:
+    """Saves ``step_N`` checkpoints of a state dict of Statefuls/dicts into ``folder``.
+
+    ``async_save``: ``save`` stages tensors to host memory (pinned when the device supports it) and
+    returns; a background thread writes and commits. At most one save is in flight; a failure surfaces
+    from the next ``save``/``wait``/``check_background`` on every rank (agreed with an all-reduce).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], *, keep_last: int = 3, keep_every: int = 0,
+                 async_save: bool = False, collective: Any = None, thread_count: int = 1,
+                 timeout_s: float | None = None) -> None:
+        self.folder = Path(folder)
+        self.keep_last = int(keep_last)
+        self.keep_every = int(keep_every)
+        self.async_save = bool(async_save)
+        self.collective = collective
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        if timeout_s is None:
+            timeout = getattr(collective, "timeout", None) or datetime.timedelta(minutes=10)
+        else:
+            timeout = datetime.timedelta(seconds=timeout_s)
+        # DCP exchanges plans and our hashes as objects: use CPU (gloo) groups of our own, so a background
+        # save never shares a group with the training loop's collectives.
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
+        self._bg_group = (dist.new_group(backend="gloo", timeout=timeout)
+                          if self.distributed and self.async_save else None)
+        self._checkpointer = DCPCheckpointer(self._group, thread_count=thread_count)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save") if async_save else None
+        self._stager = HostStager() if async_save else None
+        self._pending: Future[Any] | None = None
+        self._pending_step: int | None = None
+        self.last_saved_step: int | None = None
+        if self.rank == 0:
+            self._recover_folder()
+        if self.distributed:
+            dist.barrier(group=self._group)
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Save ``state`` as ``step_{step}`` (all ranks call). Async mode returns once tensors are staged."""
+        self.wait()
+        prepared = self._checkpointer.prepare(state, step)
+        if self._executor is None:
+            self._write(prepared, self._group)
+            return
+        assert self._stager is not None
+        prepared.tensors = self._stager.stage(prepared.tensors)
+        self._pending_step = step
+        self._pending = self._executor.submit(self._write, prepared, self._bg_group)
+
+    def _write(self, prepared: Prepared, group: Any) -> None:
+        self._checkpointer.write(prepared, self.folder / f"step_{prepared.step}", group=group,
+                                 on_commit=self._on_commit)
+        self.last_saved_step = prepared.step
+
+    def _on_commit(self, path: Path, manifest: Manifest) -> None:
+        """Rank 0, right after ``path`` was committed: move ``latest`` and apply retention."""
+        atomic_write(self.folder / LATEST_FILE, f"{path.name}\n".encode())
+        steps = [s for s, _ in step_dirs(self.folder)]
+        for step in to_delete(steps, keep_last=self.keep_last, keep_every=self.keep_every,
+                              protect=(manifest.step,)):
+            victim = self.folder / f"step_{step}"
+            doomed = victim.with_name(victim.name + ".deleting")
+            try:
+                os.replace(victim, doomed)  # no longer looks like a checkpoint, even if rmtree is cut short
+                shutil.rmtree(doomed, ignore_errors=True)
+            except OSError as exc:
+                log.warning("could not delete old checkpoint %s: %s", victim, exc)
+
+    def _agree(self, local_error: BaseException | None, local_done: bool) -> tuple[bool, bool]:
+        """(any rank failed, all ranks done), agreed by every rank."""
+        flags = torch.tensor([1 if local_error is not None else 0, 0 if local_done else 1], dtype=torch.int32)
+        if self.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flags[0]), not bool(flags[1])
+
+    def _raise_failed(self, local_error: BaseException | None) -> None:
+        step = self._pending_step
+        self._pending, self._pending_step = None, None
+        where = f"{type(local_error).__name__}: {local_error}" if local_error is not None else "on another rank"
+        raise CheckpointError(f"background save of step {step} failed ({where}); the previous checkpoint is "
+                              "still valid") from local_error
+
+    def check_background(self) -> None:
+        """Cheap per-step check: raise on every rank if the in-flight save failed (collective while pending)."""
+        if self._pending is None:
+            return
+        done = self._pending.done()
+        error = self._pending.exception() if done else None
+        failed, all_done = self._agree(error, done)
+        if failed:
+            self._raise_failed(error)
+        if all_done:
+            self._pending, self._pending_step = None, None
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed; raise on every rank if it failed on any."""
+        if self._pending is None:
+            return
+        try:
+            self._pending.result()
+            error = None
+        except BaseException as exc:  # noqa: BLE001 - reported on every rank below
+            error = exc
+        failed, _ = self._agree(error, True)
+        if failed:
+            self._raise_failed(error)
+        self._pending, self._pending_step = None, None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    # -- finding and loading --------------------------------------------------------------------------
+    def latest(self) -> CheckpointInfo | None:
+        """The newest checkpoint that verifies (corrupt or incomplete ones are skipped with a warning)."""
+        pointer = read_latest_pointer(self.folder)
+        info = find_latest(self.folder)
+        if info is not None and pointer is not None and pointer != info.name:
+            log.info("latest pointer names %s; newest valid checkpoint is %s", pointer, info.name)
+        return info
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        return [CheckpointInfo(step=s, path=p) for s, p in step_dirs(self.folder)]
+
+    def load(self, info_or_path: CheckpointInfo | str | os.PathLike[str], state: Mapping[str, Any]) -> int:
+        """Load a checkpoint into ``state`` (all ranks call); return its step.
+
+        A path may name a ``step_N`` folder or a folder of them (then its newest valid one is used).
+        """
+        self.wait()
+        info = resolve(info_or_path)
+        if not info.verified:
+            verify(info.path).raise_if_bad()
+        return self._checkpointer.load_into(info.path, state, group=self._group)
+
+    def close(self) -> None:
+        """Wait for the in-flight save (raising if it failed) and release threads and buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._stager is not None:
+                self._stager.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- housekeeping ---------------------------------------------------------------------------------
+    def _recover_folder(self) -> None:
+        """Rank 0 at start-up: restore a ``step_N`` moved aside by an interrupted re-commit, drop leftovers."""
+        for child in list(self.folder.iterdir()):
+            name = child.name
+            if name.endswith(".old") and _STEP_RE.match(name[:-4]) and child.is_dir():
+                final = child.with_name(name[:-4])
+                if not final.exists():
+                    os.replace(child, final)
+                else:
+                    shutil.rmtree(child, ignore_errors=True)
+            elif (name.endswith(".tmp") or name.endswith(".deleting")) and name.startswith("step_"):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def resolve(info_or_path: CheckpointInfo | str | os.PathLike[str]) -> CheckpointInfo:
+    """A :class:`CheckpointInfo` for a step folder, or for the newest valid one in a folder of them."""
+    if isinstance(info_or_path, CheckpointInfo):
+        return info_or_path
+    path = Path(info_or_path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}; pass a step_N folder or a checkpoints folder")
+    if (path / "manifest.json").exists() or _STEP_RE.match(path.name):
+        m = _STEP_RE.match(path.name)
+        return CheckpointInfo(step=int(m.group(1)) if m else -1, path=path)
+    for candidate in (path, path / "checkpoints"):
+        if step_dirs(candidate):
+            info = find_latest(candidate)
+            if info is None:
+                raise CheckpointError(f"no valid checkpoint under {candidate}; every step_N failed verification")
+            return info
+    raise CheckpointError(f"no checkpoint at {path}; pass a step_N folder or a checkpoints folder")

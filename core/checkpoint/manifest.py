@@ -1,0 +1,112 @@
+"""The checkpoint manifest: every file's SHA-256 and size, written last so its presence marks completeness.
+
+``manifest.json`` carries its own checksum (``manifest_sha256`` over the canonical JSON of the other
+fields), so a flipped byte in the manifest itself is detected too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crosstrain.errors import CheckpointError
+
+MANIFEST_FILE = "manifest.json"
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+_CHUNK = 8 << 20
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> tuple[str, int]:
+    """Write ``data`` to ``path`` (no rename) and fsync it; return its (sha256, size)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return hashlib.sha256(data).hexdigest(), len(data)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically: temp file, fsync, rename, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    write_durable(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass
+class Manifest:
+    """What a committed checkpoint folder holds."""
+
+    step: int
+    world_size: int
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"sha256", "bytes"}
+    created: float = field(default_factory=time.time)
+    format: int = FORMAT_VERSION
+
+    def body(self) -> dict[str, Any]:
+        return {"format": self.format, "step": self.step, "world_size": self.world_size,
+                "created": self.created, "files": self.files}
+
+    def to_bytes(self) -> bytes:
+        body = self.body()
+        body["manifest_sha256"] = hashlib.sha256(_canonical(self.body())).hexdigest()
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    def write(self, folder: Path) -> None:
+        """Write ``manifest.json`` into ``folder`` and fsync it (the caller renames the folder after)."""
+        write_durable(folder / MANIFEST_FILE, self.to_bytes())
+        fsync_dir(folder)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f["bytes"]) for f in self.files.values())
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike[str]) -> Manifest:
+        """Parse and self-check ``folder/manifest.json``; raise :class:`CheckpointError` naming the problem."""
+        path = Path(folder) / MANIFEST_FILE
+        try:
+            raw = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing: the checkpoint was never committed") from None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path} is unreadable: {exc}") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path} is not a manifest")
+        claimed = raw.pop("manifest_sha256", None)
+        try:
+            manifest = cls(step=int(raw["step"]), world_size=int(raw["world_size"]), files=dict(raw["files"]),
+                           created=float(raw["created"]), format=int(raw["format"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path} is malformed: {exc}") from None
+        if claimed != hashlib.sha256(_canonical(manifest.body())).hexdigest():
+            raise CheckpointError(f"{path} fails its own checksum (corrupt manifest)")
+        if manifest.format > FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format {manifest.format}; this crosstrain reads up to {FORMAT_VERSION}")
+        return manifest
