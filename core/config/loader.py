@@ -1,0 +1,209 @@
+"""Load a config: TOML file + ``--set`` dotted overrides + plugin sections, validated with one-line errors."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from crosstrain.config.schema import CORE_SECTIONS, Config
+from crosstrain.config.toml_io import dumps_toml, parse_value, read_toml
+from crosstrain.errors import ConfigError
+
+
+def plugin_sections() -> dict[str, type[BaseModel]]:
+    """``{name: model}`` from every plugin's ``crosstrain_config_sections`` hook (core names cannot be taken)."""
+    from crosstrain import pluginmanager
+
+    found: dict[str, type[BaseModel]] = {}
+    for plugin_name, result in pluginmanager.call_each("crosstrain_config_sections"):
+        for name, model in (result or {}).items():
+            if name in CORE_SECTIONS or name == "backend" or name in found:
+                pluginmanager.record_error(plugin_name, f"config section {name!r} is already taken")
+                continue
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                pluginmanager.record_error(plugin_name, f"config section {name!r} is not a pydantic model")
+                continue
+            found[name] = model
+    return found
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``key.path=value`` override to the raw (unvalidated) config dict in place."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} must look like section.key=value (e.g. --set optim.lr=3e-4)")
+    path, text = item.split("=", 1)
+    keys = [k.strip() for k in path.strip().split(".")]
+    if not all(keys):
+        raise ConfigError(f"--set {item!r}: {path!r} is not a dotted key such as optim.lr")
+    node = raw
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {'.'.join(keys[: i + 1])} is a value, not a section")
+        node = child
+    node[keys[-1]] = parse_value(text.strip())
+
+
+def _allowed_keys(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _format_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    errors = exc.errors()
+    err = errors[0]
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join([prefix, *loc] if prefix else loc)
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    if err["type"] == "extra_forbidden":
+        owner = model
+        section = prefix
+        if model is Config and len(loc) >= 2 and loc[0] in CORE_SECTIONS:
+            owner, section = CORE_SECTIONS[loc[0]], loc[0]
+        allowed = ", ".join(_allowed_keys(owner)) if owner is not None else "?"
+        where = f"[{section}]" if section else "the top level"
+        return f"unknown config key {key!r}; allowed keys in {where}: {allowed}{more}"
+    got = err.get("input")
+    got_text = json.dumps(got) if isinstance(got, (str, int, float, bool)) else type(got).__name__
+    return f"invalid value for {key!r}: {err['msg']} (got {got_text}){more}"
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read ``path`` (or the defaults when None), apply overrides, validate core and plugin sections.
+
+    Raises :class:`ConfigError` with one line naming the key and what is allowed.
+    """
+    raw: dict[str, Any] = read_toml(path) if path else {}
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a nested dict (as read from TOML) into a :class:`Config`."""
+    extra = plugin_sections()
+    core_raw: dict[str, Any] = {}
+    plugin_raw: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in extra:
+            plugin_raw[key] = value
+        elif key == "backend" or key in CORE_SECTIONS:
+            core_raw[key] = value
+        else:
+            allowed = ", ".join(["backend", *CORE_SECTIONS, *extra])
+            raise ConfigError(f"unknown config section {key!r}; allowed: {allowed}")
+    try:
+        config = Config.model_validate(core_raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, model=Config)) from None
+    plugins: dict[str, BaseModel] = {}
+    for name, model in extra.items():
+        value = plugin_raw.get(name, {})
+        if not isinstance(value, dict):
+            raise ConfigError(f"config section {name!r} must be a table, got {type(value).__name__}")
+        try:
+            plugins[name] = model.model_validate(value)
+        except ValidationError as exc:
+            raise ConfigError(_format_error(exc, prefix=name, model=model)) from None
+    config.plugins = plugins
+    check_static(config)
+    return config
+
+
+def _import_target(spec: str) -> tuple[str, str]:
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"model.import_path {spec!r} must look like 'package.module:build'")
+    return module, attr
+
+
+def resolve_import_path(spec: str) -> Any:
+    """Import ``"pkg.mod:attr"``; failures are a ConfigError naming the key."""
+    module_name, attr = _import_target(spec)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"model.import_path {spec!r}: cannot import {module_name!r} ({exc})") from None
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"model.import_path {spec!r}: {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"model.import_path {spec!r} is not callable")
+    return target
+
+
+def check_static(config: Config) -> None:
+    """Checks that need no world size: batch/accumulation arithmetic, model preset and sequence length."""
+    from crosstrain.models.gpt import PRESETS
+
+    t, m = config.train, config.model
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
+    if m.import_path:
+        _import_target(m.import_path)
+    else:
+        if m.preset not in PRESETS:
+            raise ConfigError(f"unknown model.preset {m.preset!r}; allowed: {', '.join(PRESETS)}")
+        gpt = gpt_config(config)
+        if gpt.dim % gpt.n_heads:
+            raise ConfigError(f"model.dim={gpt.dim} must be divisible by model.n_heads={gpt.n_heads}")
+        if gpt.n_heads % gpt.kv_heads:
+            raise ConfigError(f"model.n_heads={gpt.n_heads} must be divisible by model.n_kv_heads={gpt.kv_heads}")
+        if t.seq_len > gpt.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len={t.seq_len} exceeds the model's max_seq_len={gpt.max_seq_len}; "
+                f"lower train.seq_len or set model.max_seq_len"
+            )
+        if config.data.path == "" and gpt.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size={gpt.vocab_size} is too small for the byte-level corpus (needs 256)")
+    if config.data.path and not Path(config.data.path).is_file():
+        raise ConfigError(f"data.path {config.data.path!r} does not exist; create it with 'crosstrain data prepare'")
+    if config.precision.dtype == "fp16" and config.optim.offload:
+        raise ConfigError("precision.dtype='fp16' cannot be combined with optim.offload=true; use bf16 or fp32")
+
+
+def gpt_config(config: Config) -> Any:
+    """The :class:`~crosstrain.models.gpt.GPTConfig` of a built-in preset with the model.* overrides."""
+    from crosstrain.models.gpt import PRESETS, GPTConfig
+
+    m = config.model
+    base = PRESETS[m.preset].to_dict()
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings"):
+        value = getattr(m, key)
+        if value is not None:
+            base[key] = value
+    return GPTConfig(**base)
+
+
+def check_world(config: Config, world_size: int) -> Any:
+    """Checks that need the world size; returns the resolved ``ParallelDims``. Raises ConfigError."""
+    from crosstrain.parallel import ParallelDims
+
+    p = config.parallel
+    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
+                        world_size=world_size)
+    dims = dims.resolve() or dims
+    if not config.model.import_path:
+        dims.validate_model(gpt_config(config))
+    per_step = dims.dp_degree * config.train.grad_accum
+    if config.train.batch_size % per_step:
+        raise ConfigError(
+            f"train.batch_size={config.train.batch_size} must be divisible by the data-parallel degree "
+            f"({dims.dp_degree}) x train.grad_accum ({config.train.grad_accum}) = {per_step}"
+        )
+    return dims
+
+
+def save_config(config: Config, folder: str | os.PathLike[str]) -> None:
+    """Write the effective config as ``config.toml`` and ``config.json`` into ``folder``."""
+    data = config.to_dict()
+    folder = Path(folder)
+    (folder / "config.toml").write_text(dumps_toml(data))
+    (folder / "config.json").write_text(json.dumps(data, indent=2) + "\n")

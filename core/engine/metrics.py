@@ -1,0 +1,157 @@
+"""Metrics sinks: every per-step metric goes through :class:`MetricsHub` to each sink.
+
+Built-in sinks: ``metrics.jsonl`` in the run dir, the console (a rich progress bar on a TTY, plain lines
+otherwise) and TensorBoard when it is installed. Plugins add sinks with ``crosstrain_metrics_sinks``: any
+object with ``write(step, metrics)`` and ``close()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+
+class MetricsSink(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no nan/inf
+    return value
+
+
+class JsonlSink:
+    """One JSON object per step in ``metrics.jsonl`` (flushed on every line, so a crash loses nothing)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._fh: TextIO | None = self.path.open("a", buffering=1)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._fh is not None:
+            record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
+            self._fh.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def format_line(step: int, total: int, m: dict[str, float]) -> str:
+    """``step 10/240 | loss 3.2101 | lr 3.0e-03 | 41,200 tok/s | mfu 2.1% | 50 ms (...) | mem 412 MB``."""
+    parts = [f"step {step}/{total}", f"loss {m.get('loss', float('nan')):.4f}", f"lr {m.get('lr', 0.0):.1e}"]
+    if "tokens_per_s" in m:
+        parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in m:
+        parts.append(f"mfu {100 * m['mfu']:.1f}%")
+    if "step_time_s" in m:
+        detail = " ".join(f"{k[5:-2]} {1000 * v:.0f}" for k, v in m.items()
+                          if k.startswith("time_") and k.endswith("_s"))
+        parts.append(f"{1000 * m['step_time_s']:.0f} ms ({detail})" if detail else f"{1000 * m['step_time_s']:.0f} ms")
+    if "peak_memory_bytes" in m:
+        parts.append(f"mem {m['peak_memory_bytes'] / 2**20:,.0f} MB")
+    if m.get("skipped"):
+        parts.append("SKIPPED (non-finite)")
+    return " | ".join(parts)
+
+
+class PlainConsoleSink:
+    """A line every ``every`` steps (and on the first and last step, and on skipped steps)."""
+
+    def __init__(self, total_steps: int, every: int, stream: TextIO | None = None) -> None:
+        self.total = total_steps
+        self.every = every
+        self.stream = stream or sys.stdout
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if step == 1 or step % self.every == 0 or step == self.total or metrics.get("skipped"):
+            print(format_line(step, self.total, metrics), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgressSink:
+    """A rich progress bar with the latest loss, throughput and MFU."""
+
+    def __init__(self, total_steps: int, start_step: int = 0) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.total = total_steps
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"), transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self.progress.start()
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        info = f"loss {metrics.get('loss', float('nan')):.4f}"
+        if "tokens_per_s" in metrics:
+            info += f" | {metrics['tokens_per_s']:,.0f} tok/s"
+        if "mfu" in metrics:
+            info += f" | mfu {100 * metrics['mfu']:.1f}%"
+        self.progress.update(self.task, completed=step, info=info)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class TensorBoardSink:
+    """Scalars to TensorBoard event files in ``<run_dir>/tensorboard``."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def tensorboard_available() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class MetricsHub:
+    """Fans each step's metrics out to every sink; a failing plugin sink is reported once and dropped."""
+
+    def __init__(self, sinks: list[Any] | None = None) -> None:
+        self.sinks: list[Any] = list(sinks or [])
+
+    def add(self, sink: Any) -> None:
+        self.sinks.append(sink)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.write(step, metrics)
+            except Exception as exc:
+                print(f"crosstrain: warning: metrics sink {type(sink).__name__} failed and is disabled: {exc}",
+                      file=sys.stderr)
+                self.sinks.remove(sink)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception:
+                pass
+        self.sinks = []
