@@ -1,0 +1,107 @@
+"""ParallelDims: the sizes of the device-mesh dimensions, checked against the world size and the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from crosstrain.errors import ConfigError
+
+#: mesh dimension names, outermost first (same order as :data:`crosstrain.collective.MESH_DIMS`).
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the parallel dimensions; ``dp_shard=-1`` means "whatever is left of the world size".
+
+    ``dp_replicate`` is DDP (or the replicate dim of HSDP), ``dp_shard`` FSDP2, ``tp`` tensor parallel,
+    ``pp`` pipeline parallel. ``ep`` is reserved for the MoE plugin and must be 1 here.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    world_size: int = 1
+
+    def resolve(self) -> ParallelDims:
+        """Fill ``dp_shard=-1`` and check that the product equals the world size; returns ``self``."""
+        for name in ("dp_replicate", "tp", "pp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                key = name if name == "world_size" else f"parallel.{name}"
+                raise ConfigError(f"{key}={value!r} must be an integer >= 1")
+        if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard!r} must be an integer >= 1, or -1 for the rest")
+        if self.ep != 1:
+            raise ConfigError(f"parallel.ep={self.ep!r} is reserved for the MoE plugin; set parallel.ep=1")
+        others = self.dp_replicate * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError(
+                    f"parallel.dp_replicate={self.dp_replicate} x parallel.tp={self.tp} x parallel.pp={self.pp} "
+                    f"= {others} does not divide the world size {self.world_size}; change them so it does"
+                )
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallel.dp_replicate={self.dp_replicate} x parallel.dp_shard={self.dp_shard} x "
+                f"parallel.tp={self.tp} x parallel.pp={self.pp} = {product} but the world size is "
+                f"{self.world_size}; make the product equal the number of processes (or set parallel.dp_shard=-1)"
+            )
+        return self
+
+    def validate_model(self, cfg: Any) -> None:
+        """Raise :class:`ConfigError` when the model cannot be split this way (``cfg`` is a ``GPTConfig``)."""
+        n_heads = getattr(cfg, "n_heads", None)
+        kv_heads = getattr(cfg, "kv_heads", None) or getattr(cfg, "n_kv_heads", None) or n_heads
+        n_layers = getattr(cfg, "n_layers", None)
+        if self.tp > 1:
+            if n_heads is not None and n_heads % self.tp:
+                raise ConfigError(f"parallel.tp={self.tp} must divide model.n_heads={n_heads}; pick a divisor")
+            if kv_heads is not None and kv_heads % self.tp:
+                raise ConfigError(f"parallel.tp={self.tp} must divide the kv heads ({kv_heads}); pick a divisor")
+            hidden = getattr(cfg, "hidden_dim", None)
+            if hidden is not None and hidden % self.tp:
+                raise ConfigError(f"parallel.tp={self.tp} must divide the model's ffn hidden size {hidden}")
+            vocab = getattr(cfg, "vocab_size", None)
+            if vocab is not None and vocab % self.tp:
+                raise ConfigError(f"parallel.tp={self.tp} must divide model.vocab_size={vocab}; pad the vocabulary")
+        if self.pp > 1:
+            if n_layers is not None and self.pp > n_layers:
+                raise ConfigError(f"parallel.pp={self.pp} exceeds model.n_layers={n_layers}; use pp <= n_layers")
+            if getattr(cfg, "tie_embeddings", False):
+                raise ConfigError("parallel.pp > 1 cannot split tied embeddings; set model.tie_embeddings=false")
+
+    # -- derived ----------------------------------------------------------------------------------
+    @property
+    def dp_degree(self) -> int:
+        """Number of data-parallel replicas (``dp_replicate * dp_shard``; needs a resolved ``dp_shard``)."""
+        return self.dp_replicate * max(self.dp_shard, 1)
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_degree > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def mesh_shape(self) -> dict[str, int]:
+        """Dimension name -> size, in mesh order (size-1 dims kept so plans can name them)."""
+        return {name: int(getattr(self, name)) for name in DIM_NAMES}
+
+    def describe(self) -> str:
+        """``"pp=1 x dp_replicate=1 x dp_shard=2 x ep=1 x tp=2"``."""
+        return " x ".join(f"{k}={v}" for k, v in self.mesh_shape().items())

@@ -1,0 +1,65 @@
+"""Gradient norm and clipping that are correct under FSDP, TP (DTensor gradients) and PP (stage-local grads)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _group_grads(params: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """Gradients grouped by (mesh, placements) for DTensors; plain tensors under the key ``None``."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    return groups
+
+
+def total_grad_norm(params: Iterable[torch.Tensor], pp_group: Any = None,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """The global L2 norm of all gradients, identical on every rank (fp32 scalar on the grads' device).
+
+    Sharded DTensor gradients are reduced with ``full_tensor()`` per (mesh, placements) group (replicated
+    ones are counted once); with pipeline parallelism the squared norms of the stages are summed over the
+    ``pp_group``.
+    """
+    groups = _group_grads(params)
+    squares: list[torch.Tensor] = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().pow(2))
+    if squares:
+        total_sq = torch.stack([s.to(squares[0].device) for s in squares]).sum()
+    else:
+        total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        if device is not None:
+            total_sq = total_sq.to(device)
+        dist.all_reduce(total_sq, group=pp_group)
+    return total_sq.sqrt()
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, pp_group: Any = None,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm before clipping.
+
+    ``max_norm <= 0`` only measures the norm.
+    """
+    params = list(params)
+    total = total_grad_norm(params, pp_group, device)
+    if max_norm is None or max_norm <= 0:
+        return total
+    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    for grads in _group_grads(params).values():
+        c = coef.to(grads[0].device)
+        torch._foreach_mul_(grads, c)
+    return total

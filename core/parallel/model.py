@@ -1,0 +1,264 @@
+"""``parallelize``: apply PP -> TP -> activation checkpointing -> compile -> FSDP/DDP to a GPT (torchtitan order),
+and ``ParallelModel``, the one object the trainer drives for forward/backward, clipping and state."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from crosstrain import kernels
+from crosstrain.errors import ConfigError
+from crosstrain.parallel import activation_checkpoint as ac
+from crosstrain.parallel import fsdp as dp
+from crosstrain.parallel import grad as gradmod
+from crosstrain.parallel import pp as ppmod
+from crosstrain.parallel import state as statemod
+from crosstrain.parallel.dims import ParallelDims
+from crosstrain.parallel.mesh import dp_mesh
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class ParallelModel:
+    """This rank's share of the model, with the training-step primitives the trainer needs.
+
+    Build it with :func:`parallelize`. ``module`` is this rank's ``nn.Module`` (the GPT wrapped by
+    FSDP2/DDP/TP, or its pipeline stage); give ``parameters()`` to the optimizer.
+    """
+
+    def __init__(self, module: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device, *,
+                 precision: str, use_ddp: bool, use_fsdp: bool, schedule: Any = None,
+                 microbatches: int = 1) -> None:
+        self.module = module
+        self.dims = dims
+        self.mesh = mesh
+        self.device = device
+        self.precision = precision
+        self.use_ddp = use_ddp
+        self.use_fsdp = use_fsdp
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.pp_group = mesh["pp"].get_group() if (mesh is not None and dims.pp > 1) else None
+        self.pp_rank = mesh.get_local_rank("pp") if self.pp_group is not None else 0
+        self.is_first_stage = self.pp_rank == 0
+        self.is_last_stage = self.pp_rank == dims.pp - 1
+        self.sync_timings = False  # set True to synchronize the device around timed regions
+        self._grad_sync = True
+        self._loss_mult = 1.0
+        self._mb_losses: list[torch.Tensor] = []
+        # autocast only where FSDP's MixedPrecisionPolicy does not already cast the parameters
+        self._autocast_dtype = None if (precision == "fp32" or use_fsdp) else dp.PARAM_DTYPES[precision]
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters this rank owns (DTensors under FSDP/TP), for the optimizer."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        ddp = self.use_ddp
+        for name, p in self.module.named_parameters():
+            yield statemod.clean_name(name, ddp), p
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+
+    def _now(self) -> float:
+        if self.sync_timings and self.device.type != "cpu":
+            torch.accelerator.synchronize()
+        return time.perf_counter()
+
+    def _reduce_loss(self, loss: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, Any]:
+        """Start averaging this micro-batch's loss over data-parallel ranks (and broadcasting it from the last
+        pipeline stage): a SUM over the world divided by the ranks that hold a loss."""
+        if self.mesh is None:
+            return loss, None
+        buf = loss.detach().float().reshape(1).clone()
+        if not self.is_last_stage:
+            buf.zero_()
+        work = dist.all_reduce(buf, async_op=async_op)
+        return buf, work
+
+    def _finish_loss(self, buf: torch.Tensor, work: Any) -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        if self.mesh is None:
+            return buf.detach().float()
+        return (buf / (self.dims.dp_degree * self.dims.tp)).reshape(())
+
+    # -- training ---------------------------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, scale: float = 1.0,
+                         divisor: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward and backward of one micro-batch; gradients accumulate ``loss * scale / divisor``.
+
+        Returns the detached mean token loss (averaged over data-parallel ranks, the same on every rank) and
+        timings in seconds: ``forward_s``, ``backward_s``, ``comm_s`` (waiting for the loss reduction). With
+        pipeline parallelism the schedule interleaves both passes, so ``forward_s`` holds the whole schedule
+        and ``backward_s`` is 0.
+        """
+        if self.schedule is not None:
+            return self._pp_forward_backward(inputs, targets, scale, divisor)
+        sync = self.module.no_sync() if (self.use_ddp and not self._grad_sync) else contextlib.nullcontext()
+        with sync:
+            t0 = self._now()
+            with self._autocast():
+                logits = self.module(inputs)
+                loss = _loss(logits, targets)
+            t1 = self._now()
+            buf, work = self._reduce_loss(loss, async_op=True)
+            (loss * (scale / divisor)).backward()
+            t2 = self._now()
+        mean = self._finish_loss(buf, work)
+        t3 = self._now()
+        return mean, {"forward_s": t1 - t0, "backward_s": t2 - t1, "comm_s": t3 - t2}
+
+    def _pp_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = _loss(output, target)
+        self._mb_losses.append(loss.detach().float())
+        return loss * self._loss_mult
+
+    def _pp_run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        if inputs.shape[0] % self.microbatches:
+            raise ConfigError(
+                f"batch size {inputs.shape[0]} is not divisible by the {self.microbatches} pipeline micro-batches; "
+                "change train.batch_size or parallel.pp_microbatches"
+            )
+        self._mb_losses = []
+        run = self.schedule.step if train else self.schedule.eval
+        with self._autocast():
+            if self.is_first_stage:
+                run(inputs, target=targets if self.is_last_stage else None)
+            elif self.is_last_stage:
+                run(target=targets)
+            else:
+                run()
+        if self.is_last_stage:
+            # the schedule's first step also runs the loss once for shape inference: keep the real ones
+            return torch.stack(self._mb_losses[-self.microbatches:]).mean()
+        return torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def _pp_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float,
+                             divisor: int) -> tuple[torch.Tensor, dict[str, float]]:
+        self._loss_mult = scale / (divisor * self.microbatches)
+        t0 = self._now()
+        loss = self._pp_run(inputs, targets, train=True)
+        t1 = self._now()
+        mean = self._finish_loss(*self._reduce_loss(loss, async_op=False))
+        t2 = self._now()
+        return mean, {"forward_s": t1 - t0, "backward_s": 0.0, "comm_s": t2 - t1}
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss without gradients, averaged like :meth:`forward_backward`'s."""
+        if self.schedule is not None:
+            loss = self._pp_run(inputs, targets, train=False)
+        else:
+            with self._autocast():
+                loss = _loss(self.module(inputs), targets)
+        return self._finish_loss(*self._reduce_loss(loss, async_op=False))
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Turn the data-parallel gradient reduction off for all but the last micro-batch of an accumulation.
+
+        (With pipeline parallelism the schedule reduces at the end of every ``step``; results stay correct.)
+        """
+        self._grad_sync = bool(enabled)
+        if self.use_fsdp and self.schedule is None:
+            self.module.set_requires_gradient_sync(self._grad_sync)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient L2 norm to ``max_norm`` (<= 0: measure only); returns the norm before."""
+        return gradmod.clip_grad_norm_(self.module.parameters(), max_norm, self.pp_group, self.device)
+
+    def grad_norm(self) -> torch.Tensor:
+        return gradmod.total_grad_norm(self.module.parameters(), self.pp_group, self.device)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 CPU tensors named like a plain GPT's ``state_dict``, on every rank (a collective)."""
+        local = statemod.local_full_state(self.module, ddp=self.use_ddp)
+        if self.pp_group is None:
+            return dict(sorted(local.items()))
+        comm = torch.device("cpu") if self.device.type == "cpu" else self.device
+        return statemod.gather_pipeline_state(local, self.pp_group, comm)
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        return self.train(False)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device, *,
+                precision: str = "fp32", activation_checkpoint: str = "none", compile: bool = False,
+                pp_schedule: str = "1f1b", pp_microbatches: int = 0) -> ParallelModel:
+    """Shard ``model`` (a GPT built identically on every rank) over ``mesh`` and return a ParallelModel.
+
+    Order as in torchtitan: pipeline split, tensor parallel, activation checkpointing, per-block compile,
+    then FSDP2 (HSDP when both dp dims > 1) or DDP. Parameters are kept in fp32 (the master weights);
+    ``precision`` bf16/fp16 computes in low precision through FSDP's MixedPrecisionPolicy when sharded,
+    through autocast on ``device``'s type otherwise. ``pp_microbatches <= 0`` means ``pp``.
+    """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision.dtype={precision!r} is not allowed; use one of {', '.join(PRECISIONS)}")
+    if dims.dp_shard == -1:
+        dims.resolve()
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        dims.validate_model(cfg)
+    world = 1 if mesh is None else mesh.size()
+    if world != dims.dp_degree * dims.tp * dims.pp:
+        raise ConfigError(f"parallel dims {dims.describe()} do not match the mesh of {world} ranks")
+    every = ac.parse_ac(activation_checkpoint)  # validate before touching the model
+
+    model = model.to(device=device, dtype=torch.float32)
+    schedule = None
+    microbatches = 1
+    if dims.pp > 1:
+        stage = mesh.get_local_rank("pp")
+        ppmod.split_stage(model, dims.pp, stage)
+    if dims.tp > 1:
+        from crosstrain.parallel.tp import apply_tp
+
+        apply_tp(model, mesh["tp"])
+    if every:
+        ac.apply_ac(model, activation_checkpoint)
+    if compile:
+        ac.apply_compile(model)
+
+    use_ddp = use_fsdp = False
+    module: nn.Module = model
+    if dims.dp_enabled:
+        if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
+            module = dp.apply_ddp(model, mesh["dp_replicate"], device)
+            use_ddp = True
+        else:
+            # FSDP2; HSDP on (dp_replicate, dp_shard) - with dp_shard == 1 that is DDP-like, composable with TP/PP
+            fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dp_mesh(mesh, dims)
+            dp.apply_fsdp(model, fsdp_mesh, precision=precision, reshard_after_forward=dims.pp == 1)
+            use_fsdp = True
+
+    if dims.pp > 1:
+        microbatches = pp_microbatches if pp_microbatches > 0 else dims.pp
+        holder: dict[str, ParallelModel] = {}
+        schedule = ppmod.build_schedule(
+            module, mesh.get_local_rank("pp"), dims.pp, device, mesh["pp"].get_group(),
+            schedule=pp_schedule, microbatches=microbatches,
+            loss_fn=lambda out, tgt: holder["pm"]._pp_loss(out, tgt),
+        )
+    pm = ParallelModel(module, dims, mesh, device, precision=precision, use_ddp=use_ddp, use_fsdp=use_fsdp,
+                       schedule=schedule, microbatches=microbatches)
+    if dims.pp > 1:
+        holder["pm"] = pm
+    return pm
