@@ -37,7 +37,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _reduce_op(op: str | dist.ReduceOp) -> dist.ReduceOp:
+def _reduce_op(op: str | dist.ReduceOp) -> Any:
     if not isinstance(op, str):
         return op
     try:

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="empty-body"
 """pluggy hook specifications: everything a backend or plugin can add to crosstrain.
 
 Implementations live in modules listed under the ``crosstrain`` entry-point group and are marked with

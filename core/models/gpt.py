@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +153,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer. ``forward(tokens)`` returns logits ``[B, T, vocab]``."""
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.dim % cfg.n_heads:
@@ -181,7 +185,7 @@ class GPT(nn.Module):
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-        for block in self.layers.values():
+        for block in self.blocks():
             for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
                         block.feed_forward.w3):
                 nn.init.normal_(lin.weight, std=0.02)
@@ -211,7 +215,7 @@ class GPT(nn.Module):
         cos = self.rope_cos[start : start + seqlen]
         sin = self.rope_sin[start : start + seqlen]
         presents: list[KVCache] = []
-        for i, block in enumerate(self.layers.values()):
+        for i, block in enumerate(self.blocks()):
             h, present = block(h, cos, sin, None if past is None else past[i])
             presents.append(present)
         if self.norm is not None:
@@ -219,6 +223,10 @@ class GPT(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h, presents
+
+    def blocks(self) -> list[Block]:
+        """The transformer blocks this module holds (all of them, or one pipeline stage's)."""
+        return [cast(Block, b) for b in self.layers.values()]
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -69,7 +69,7 @@ def compare_with_reference(impl: Callable[..., Any], reference: Callable[..., An
     g = torch.Generator().manual_seed(seed)
     args, grad_idx = SAMPLES[op](rows, width, device, dtype, g)
 
-    def run(fn: Callable[..., Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(fn: Callable[..., Any]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         leaves = [a.detach().clone().requires_grad_(i in grad_idx) if isinstance(a, torch.Tensor) else a
                   for i, a in enumerate(args)]
         out = fn(*leaves)
@@ -82,6 +82,6 @@ def compare_with_reference(impl: Callable[..., Any], reference: Callable[..., An
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out_impl.float(), out_ref.float(), atol=atol, rtol=rtol, msg=f"{op} forward")
     for i, (gi, gr) in enumerate(zip(grads_impl, grads_ref)):
-        assert gi is not None, f"{op}: no gradient for input {grad_idx[i]}"
+        assert gi is not None and gr is not None, f"{op}: no gradient for input {grad_idx[i]}"
         torch.testing.assert_close(gi.float(), gr.float(), atol=atol, rtol=rtol,
                                    msg=f"{op} gradient of input {grad_idx[i]}")

@@ -20,7 +20,7 @@ ENV_VARS = ("CROSSTRAIN_BACKEND", "CROSSTRAIN_KERNELS", "CUDA_VISIBLE_DEVICES", 
 
 
 def collect() -> dict[str, Any]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in PACKAGES:
         try:
             versions[pkg] = importlib.metadata.version(pkg)
