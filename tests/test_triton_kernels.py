@@ -1,0 +1,207 @@
+"""The shared Triton kernels (cuda/rocm) run on the CPU under ``TRITON_INTERPRET=1`` against the reference ops.
+
+These check the kernels' arithmetic, masking, chunking and autograd wiring, forward and backward, in fp32 and
+bf16 on odd shapes. They are not hardware tests: launch configs, autotuning and speed are only exercised on a
+GPU (``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# triton decides interpreted-or-compiled when a function is decorated, including its own standard library at
+# import. So the flag must be set before triton is first imported; if something imported it earlier in this
+# process, the whole module is re-run in a fresh process instead (test_fresh_process).
+_PRELOADED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+_PREVIOUS = os.environ.get("TRITON_INTERPRET")
+if not _PRELOADED:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from crosstrain.kernels import KernelRegistry, reference  # noqa: E402
+from crosstrain.testing.op_inputs import ROWS_AND_WIDTHS, SAMPLES, TOLERANCES, compare_with_reference  # noqa: E402
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpret():
+    if _PRELOADED:
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in list(sys.modules):
+        if name.startswith("crosstrain.backends.triton.") and name.split(".")[-1] not in ("register", "launch"):
+            del sys.modules[name]  # kernels imported earlier without the flag are re-imported under it
+    yield
+    if _PREVIOUS is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only(request):
+    if _PRELOADED and request.node.name != "test_fresh_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; covered by test_fresh_process")
+
+
+def test_fresh_process():
+    if not _PRELOADED:
+        pytest.skip("ran in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def triton_op(op: str):
+    from crosstrain.backends.triton.register import TRITON_OPS, _module
+
+    module, fn, _ = TRITON_OPS[op]
+    _module.cache_clear()
+    return getattr(_module(module), fn)
+
+
+@pytest.mark.parametrize("rows,width", ROWS_AND_WIDTHS, ids=[f"{r}x{w}" for r, w in ROWS_AND_WIDTHS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", sorted(SAMPLES))
+def test_kernel_matches_reference_forward_and_backward(op, dtype, rows, width):
+    compare_with_reference(triton_op(op), reference.CORE_OPS[op][0], op, CPU, dtype, rows, width)
+
+
+def _grads(fn, args, grad_idx, seed=5):
+    leaves = [a.detach().clone().requires_grad_(i in grad_idx) if isinstance(a, torch.Tensor) else a
+              for i, a in enumerate(args)]
+    out = fn(*leaves)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    (out.float() * up).sum().backward()
+    return out.detach().float(), [leaves[i].grad.float() for i in grad_idx]
+
+
+def _assert_same(fn, ref, args, grad_idx, dtype=torch.float32):
+    atol, rtol = TOLERANCES[dtype]
+    out, grads = _grads(fn, args, grad_idx)
+    out_r, grads_r = _grads(ref, args, grad_idx)
+    torch.testing.assert_close(out, out_r, atol=atol, rtol=rtol, equal_nan=True)
+    for g, gr in zip(grads, grads_r):
+        torch.testing.assert_close(g, gr, atol=atol, rtol=rtol, equal_nan=True)
+
+
+def test_rms_norm_3d_input_and_many_rows_per_program():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 11, 40, generator=g)  # 33 rows over 4 programs: the last program has rows past the end
+    w = torch.randn(40, generator=g)
+    _assert_same(triton_op("rms_norm"), reference.rms_norm, (x, w, 1e-5), (0, 1))
+
+
+def test_rotary_without_batch_dim_and_with_many_heads():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 9, 10, generator=g)  # [T, H, D], odd head count, D/2 = 5
+    ang = torch.randn(5, 5, generator=g)
+    _assert_same(triton_op("rotary_embedding"), reference.rotary_embedding, (x, ang.cos(), ang.sin()), (0,))
+
+
+def test_cross_entropy_ignored_rows_and_all_ignored_is_nan_like_torch():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 37, generator=g)
+    targets = torch.tensor([0, -100, 36, 5, -100, 17])
+    _assert_same(triton_op("cross_entropy"), reference.cross_entropy, (logits, targets, -100), (0,))
+    targets = torch.tensor([3, 3, 1, 1, 7, 7])
+    _assert_same(triton_op("cross_entropy"), reference.cross_entropy, (logits, targets, 3), (0,))
+    all_ignored = torch.full((6,), -100)
+    assert torch.isnan(triton_op("cross_entropy")(logits, all_ignored))
+    assert torch.isnan(reference.cross_entropy(logits, all_ignored))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_linear_cross_entropy_chunks_agree(chunk):
+    from crosstrain.backends.triton import cross_entropy as ce
+
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(10, 24, generator=g) * 0.5
+    w = torch.randn(131, 24, generator=g) * 0.2
+    t = torch.randint(0, 131, (10,), generator=g)
+    t[4] = -100
+    loss, gh, gw = ce._lce_forward(h, w, t, -100, need_grad=True, chunk=chunk)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = reference.linear_cross_entropy(hr, wr, t)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gh, hr.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gw, wr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_cross_entropy_scales_by_upstream_grad_and_skips_grad_without_autograd():
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(7, 16, generator=g)
+    w = torch.randn(50, 16, generator=g) * 0.3
+    t = torch.randint(0, 50, (7,), generator=g)
+    fn = triton_op("linear_cross_entropy")
+    _assert_same(lambda a, b: fn(a, b, t) * 3.5, lambda a, b: reference.linear_cross_entropy(a, b, t) * 3.5,
+                 (h, w), (0, 1))
+    with torch.no_grad():
+        torch.testing.assert_close(fn(h, w, t), reference.linear_cross_entropy(h, w, t), atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu_fp16_and_a_block_boundary():
+    g = torch.Generator().manual_seed(7)
+    gate = torch.randn(1025, generator=g).half()  # one element past the first 1024-wide block
+    up = torch.randn(1025, generator=g).half()
+    _assert_same(triton_op("swiglu"), reference.swiglu, (gate, up), (0, 1), dtype=torch.float16)
+
+
+def test_registered_through_the_registry_and_dispatched_by_predicate():
+    """Registered on device type cpu here (interpreter), dispatch runs the Triton kernel only where supported."""
+    from crosstrain.backends.triton.register import register_triton_kernels
+
+    reg = KernelRegistry()
+    reg._populated = True
+    for name, (fn, doc) in reference.CORE_OPS.items():
+        reg.declare(name, fn, doc)
+    assert register_triton_kernels(reg, backend="test", device_type="cpu") == list(
+        ["rms_norm", "rotary_embedding", "swiglu", "cross_entropy", "linear_cross_entropy"])
+    x, w = torch.randn(4, 24), torch.randn(24)
+    chosen = reg.resolve("rms_norm", x, w, 1e-6)
+    assert chosen.__name__ == "triton_rms_norm"
+    torch.testing.assert_close(chosen(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+    assert reg.resolve("rms_norm", x.t().contiguous().t(), torch.randn(4), 1e-6) is reference.rms_norm  # strided
+    assert reg.resolve("rms_norm", torch.randn(2, 20000), torch.randn(20000)) is reference.rms_norm  # too wide
+    assert reg.resolve("swiglu", torch.randn(3), torch.randn(3).double()) is reference.swiglu  # dtype
+    cos = torch.randn(5, 4, requires_grad=True)
+    assert reg.resolve("rotary_embedding", torch.randn(5, 2, 8), cos, cos.detach()) is reference.rotary_embedding
+    assert reg.resolve("cross_entropy", torch.randn(2, 3, 4), torch.zeros(2, 4, dtype=torch.long)) is (
+        reference.cross_entropy)  # only [N, V] logits
+
+
+def test_vendor_launch_configs_follow_warp_width(monkeypatch):
+    """Logic test: the same thread budgets give half the warps on a ROCm build (wavefront 64)."""
+    from crosstrain.backends.triton import launch
+
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    nvidia = [c.num_warps for c in launch.make_configs([128, 256, 512, 1024])]
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    amd = [c.num_warps for c in launch.make_configs([128, 256, 512, 1024])]
+    assert launch.vendor() == "amd" and launch.warp_size() == 64
+    assert nvidia == [4, 8, 16, 32] and amd == [2, 4, 8, 16]
+
+
+def test_registration_imports_no_triton():
+    code = (
+        "import sys\n"
+        "from crosstrain.kernels import registry\n"
+        "impls = [i for op in registry.ops() for i in registry.impls(op) if i.backend in ('cuda', 'rocm')]\n"
+        "assert len(impls) == 10, impls\n"
+        "assert 'triton' not in sys.modules, 'triton imported at registration'\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
