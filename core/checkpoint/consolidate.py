@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from crosstrain.checkpoint.dcp import read_meta
 from crosstrain.checkpoint.manager import resolve
 from crosstrain.checkpoint.manifest import fsync_dir
-from crosstrain.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from crosstrain.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, call_dcp, read_metadata
 from crosstrain.checkpoint.verify import verify
 from crosstrain.errors import CheckpointError
 
@@ -38,7 +38,8 @@ def load_consolidated(path: str | os.PathLike[str], *, check: bool = True) -> di
         raise CheckpointError(f"checkpoint {folder} has no model tensors under {prefix!r}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(tensors, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(), no_dist=True)
+        call_dcp(f"loading {folder}", dcp.load, tensors, storage_reader=SafeFileSystemReader(folder),
+                 planner=SafeLoadPlanner(), no_dist=True)
     return {fqn[len(prefix):]: t for fqn, t in tensors.items()}
 
 

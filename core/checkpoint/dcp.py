@@ -36,6 +36,7 @@ from crosstrain.checkpoint.safe_io import (
     HashingFileSystemWriter,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    call_dcp,
     read_metadata,
 )
 from crosstrain.checkpoint.tree import TENSOR_TAG, flatten, unflatten
@@ -149,7 +150,8 @@ class DCPCheckpointer(Checkpointer):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # DCP's notes about overwrite defaults and no_dist
-                dcp.save(prepared.tensors, storage_writer=writer, process_group=group, no_dist=not distributed)
+                call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,
+                         no_dist=not distributed)
         finally:
             writer.fs.shutdown()
         files = {name: {"sha256": d, "bytes": n} for name, (d, n) in writer.digests.items()}
@@ -243,8 +245,8 @@ class DCPCheckpointer(Checkpointer):
         distributed = dist.is_initialized() and world > 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's note about loading without a process group
-            dcp.load(dcp_sd, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(),
-                     process_group=group, no_dist=not distributed)
+            call_dcp(f"loading {folder}", dcp.load, dcp_sd, storage_reader=SafeFileSystemReader(folder),
+                     planner=SafeLoadPlanner(), process_group=group, no_dist=not distributed)
         for key, obj, skeleton in pending:
             tree = unflatten(skeleton, dcp_sd)
             if _is_stateful(obj):

@@ -126,6 +126,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled; refusing to load it")
 
 
+def call_dcp(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a DCP entry point; turn its ``CheckpointException`` (a BaseException) into :class:`CheckpointError`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointException as exc:
+        for _rank, (err, _trace) in sorted(exc.failures.items()):
+            if isinstance(err, CheckpointError):
+                raise CheckpointError(str(err)) from None
+        rank, (err, _trace) = sorted(exc.failures.items())[0]
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise CheckpointError(f"{what} failed on rank {rank}: {type(err).__name__}: {first}") from None
+
+
 # -- writing -------------------------------------------------------------------------------------------
 
 _HASH_OVERLAP_BYTES = 1 << 20
