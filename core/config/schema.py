@@ -19,12 +19,14 @@ class Section(BaseModel):
 
 
 class TrainConfig(Section):
-    steps: int = Field(240, ge=1, description="optimizer steps")
+    steps: int = Field(400, ge=1, description="optimizer steps")
     seed: int = Field(0, ge=0)
     batch_size: int = Field(16, ge=1, description="global sequences per optimizer step (all ranks, all micro-batches)")
     seq_len: int = Field(128, ge=2)
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step on each rank")
     output_dir: str = Field("runs", description="run dirs are created as <output_dir>/<timestamp>/")
+    threads: int = Field(0, ge=0, description="host intra-op threads; 0 = auto (1 for models under 20M params "
+                         "unless OMP_NUM_THREADS is set, where extra threads only spin; else torch's default)")
 
 
 class ModelConfig(Section):

@@ -1,4 +1,4 @@
-"""Small pieces of trainer state: per-rank RNG, canonical parameter hashing, run directories."""
+"""Small pieces of trainer state: canonical parameter hashing and run directories."""
 
 from __future__ import annotations
 
@@ -9,24 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-class RNGState:
-    """The host and device RNG of this rank, as a ``state_dict`` (checkpointed through ``RankLocal``)."""
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type != "cpu":
-            state["device"] = self.device.get_rng_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["cpu"].to(torch.uint8).cpu())
-        if "device" in state and self.device.type != "cpu":
-            self.device.set_rng_state(state["device"].to(torch.uint8).cpu())
 
 
 def params_sha256(state: dict[str, torch.Tensor]) -> str:

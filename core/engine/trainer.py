@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,10 +32,13 @@ from crosstrain.engine.metrics import (
     tensorboard_available,
 )
 from crosstrain.engine.preemption import PreemptionWatcher
-from crosstrain.engine.state import RNGState, agree_run_dir, params_sha256
+from crosstrain.engine.state import agree_run_dir, params_sha256
 from crosstrain.errors import CheckpointError, ConfigError, CrosstrainError, PluginError
 from crosstrain.optim.factory import build_optimizer
 from crosstrain.optim.schedules import build_schedule
+
+#: below this many parameters ``train.threads = 0`` uses one host thread (op overhead dominates small models).
+AUTO_SINGLE_THREAD_PARAMS = 20_000_000
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,7 +72,7 @@ class _Counters:
 class _RankState:
     """Per-rank state: RNG and data position (wrapped in ``RankLocal`` for checkpoints)."""
 
-    def __init__(self, rng: RNGState, sampler: DistributedBatchSampler, scaler: DynamicLossScaler) -> None:
+    def __init__(self, rng: Any, sampler: DistributedBatchSampler, scaler: DynamicLossScaler) -> None:
         self.rng, self.sampler, self.scaler = rng, sampler, scaler
 
     def state_dict(self) -> dict[str, Any]:
@@ -121,6 +125,7 @@ class Trainer:
         self.checkpoints: Any = None
         self.metrics = MetricsHub()
         self._kernel_mode: str | None = None
+        self._threads_before: int | None = None
 
     # ------------------------------------------------------------------ properties hooks rely on
     @property
@@ -184,6 +189,7 @@ class Trainer:
         self.device_api.manual_seed(cfg.train.seed)
 
         model = self._transform_model(build_model(cfg))
+        self._set_threads(model)
         self.flops_per_token = _flops_per_token(model, cfg.train.seq_len)
         self.model_config = getattr(model, "config", None)
         self.mesh = build_mesh(self.collective, self.dims)
@@ -202,6 +208,8 @@ class Trainer:
             len(self.dataset), cfg.train.batch_size, dp_rank=dp_rank, dp_size=dp_size,
             micro_batches=cfg.train.grad_accum, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
         )
+        from crosstrain.checkpoint.app_state import RNGState
+
         self.rank_state = _RankState(RNGState(self.device_api), self.sampler, self.scaler)
 
         self.run_dir = agree_run_dir(self.collective, self.requested_run_dir, cfg.train.output_dir)
@@ -212,6 +220,15 @@ class Trainer:
         self._resume()
         self._setup_metrics()
         self.preemption.install()
+
+    def _set_threads(self, model: torch.nn.Module) -> None:
+        threads = self.config.train.threads
+        if threads == 0 and "OMP_NUM_THREADS" not in os.environ:
+            if sum(p.numel() for p in model.parameters()) < AUTO_SINGLE_THREAD_PARAMS:
+                threads = 1
+        if threads:
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads)
 
     def _transform_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Apply each plugin's ``crosstrain_transform_model`` in registration order (a failure is fatal)."""
@@ -333,8 +350,7 @@ class Trainer:
                                              context=self):
             pass
         self.scaler.unscale_(self.params)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = float(pm.clip_grad_norm_(max_norm))
+        grad_norm = float(pm.clip_grad_norm_(cfg.optim.grad_clip))  # 0: measure only
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -488,6 +504,8 @@ class Trainer:
                 raise
             except Exception:
                 pass
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
         if self._kernel_mode is not None:
             from crosstrain.kernels import registry as kernel_registry
 
