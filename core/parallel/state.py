@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,13 +26,20 @@ def clean_name(name: str, ddp: bool = False) -> str:
 def local_full_state(module: nn.Module, ddp: bool = False) -> dict[str, torch.Tensor]:
     """This stage's state with DTensors gathered (a collective over their meshes), as fp32 CPU tensors."""
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in module.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        tensor = tensor.detach()
-        if tensor.is_floating_point():
-            tensor = tensor.to(torch.float32)
-        out[clean_name(name, ddp)] = tensor.cpu().clone()
+    # FSDP x TP parameters gather in two steps; DTensor logs a (harmless) warning for each: keep it quiet.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        for name, tensor in module.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            tensor = tensor.detach()
+            if tensor.is_floating_point():
+                tensor = tensor.to(torch.float32)
+            out[clean_name(name, ddp)] = tensor.cpu().clone()
+    finally:
+        redistribute_log.setLevel(level)
     return out
 
 
