@@ -18,5 +18,7 @@ class CpuBackend(Backend):
         return CpuDevice()
 
     def register_kernels(self, registry: KernelRegistry) -> None:
-        # The references are the CPU kernels; native optimizer kernels live in crosstrain.backends.cpu.native.
-        return None
+        # The references are the CPU kernels, except the native fused optimizer steps (when the extension is built).
+        from crosstrain.backends.cpu.native import register
+
+        register(registry, backend=self.name)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from crosstrain.optim import reference as _optim_reference
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight``, computed in fp32 and returned in ``x.dtype``."""
@@ -96,4 +98,6 @@ CORE_OPS = {
     "moe_permute": (moe_permute, "group token copies by expert (MoE dispatch)"),
     "moe_unpermute": (moe_unpermute, "scatter expert outputs back and combine top-k (MoE combine)"),
     "grouped_mm": (grouped_mm, "per-expert matmul over contiguous token groups"),
+    "adamw_step": (_optim_reference.adamw_step, "fused AdamW update of an fp32 master (+ low-precision copy)"),
+    "sgd_step": (_optim_reference.sgd_step, "fused SGD (nesterov) momentum update of an fp32 master"),
 }

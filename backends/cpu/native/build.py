@@ -1,0 +1,111 @@
+"""Declares the native CPU optimizer extension for ``setup.py`` (``ext_modules()``).
+
+The extension is plain C++ on raw buffers (no torch headers, so no dependency on torch's C++ ABI), bound
+with pybind11, threaded with OpenMP when the compiler supports ``-fopenmp``. Instruction sets are chosen
+at run time (AVX-512 / AVX2 variants compiled with ``#pragma GCC target``), so no ``-march`` flag is used
+and the wheel runs on any x86-64 CPU. Without a working C++ compiler (or without pybind11, or with
+``CROSSTRAIN_NO_NATIVE=1``) the install still succeeds and the extension is reported missing at run time.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+
+from setuptools import Extension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(HERE, "csrc")
+MODULE = "crosstrain.backends.cpu.native._C"
+
+
+def _relative(path: str) -> str:
+    """setuptools wants source paths relative to the project root (where setup.py runs)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in {"x86_64", "amd64", "i686", "i386"}
+
+
+def _warn(message: str) -> None:
+    print(f"crosstrain: {message}", file=sys.stderr)
+
+
+def _compiles(flags: list[str], source: str = "int main() { return 0; }\n") -> bool:
+    """Whether the compiler setuptools will use can compile and link a tiny C++ program with ``flags``."""
+    try:
+        from setuptools._distutils.ccompiler import new_compiler
+        from setuptools._distutils.sysconfig import customize_compiler
+    except ImportError:  # pragma: no cover - very old setuptools
+        return True
+    compiler = new_compiler()
+    customize_compiler(compiler)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.cpp")
+        with open(src, "w") as fh:
+            fh.write(source)
+        try:
+            with open(os.devnull, "w") as devnull:
+                saved = os.dup(2)
+                os.dup2(devnull.fileno(), 2)
+                try:
+                    objects = compiler.compile([src], output_dir=tmp, extra_postargs=["-std=c++17", *flags])
+                    compiler.link_executable(objects, "probe", output_dir=tmp, extra_postargs=flags,
+                                             target_lang="c++")
+                finally:
+                    os.dup2(saved, 2)
+                    os.close(saved)
+        except Exception:
+            return False
+    return True
+
+
+def ext_modules() -> list[Extension]:
+    """The native extension, or ``[]`` when it cannot be built here (reported at run time instead)."""
+    if os.environ.get("CROSSTRAIN_NO_NATIVE", "").strip() not in ("", "0"):
+        _warn("CROSSTRAIN_NO_NATIVE is set; building without the native CPU optimizer kernels")
+        return []
+    try:
+        import pybind11
+    except ImportError:
+        _warn("pybind11 is not installed; building without the native CPU optimizer kernels")
+        return []
+    if sys.platform == "win32":
+        _warn("the native CPU optimizer kernels are built with GCC/Clang only; skipping them on Windows")
+        return []
+    if not _compiles([]):
+        _warn("no working C++17 compiler found; building without the native CPU optimizer kernels "
+              "(install g++ and reinstall to get them)")
+        return []
+    openmp = _compiles(["-fopenmp"], "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+    if not openmp:
+        _warn("the C++ compiler has no OpenMP; the native optimizer kernels will run on one thread")
+    sources = ["module.cpp", "isa_generic.cpp"]
+    macros: list[tuple[str, str | None]] = []
+    if _is_x86():
+        sources += ["isa_avx2.cpp", "isa_avx512.cpp"]
+        macros.append(("CROSSTRAIN_X86", "1"))
+    compile_args = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"]
+    link_args: list[str] = []
+    if openmp:
+        compile_args.append("-fopenmp")
+        link_args.append("-fopenmp")
+    return [
+        Extension(
+            MODULE,
+            sources=[_relative(os.path.join(CSRC, s)) for s in sources],
+            include_dirs=[pybind11.get_include(), _relative(CSRC)],
+            define_macros=macros,
+            language="c++",
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+            depends=[_relative(os.path.join(CSRC, h)) for h in ("common.h", "convert.h", "kernels_impl.h")],
+        )
+    ]

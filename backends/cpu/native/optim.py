@@ -1,0 +1,189 @@
+"""``FusedAdamW`` and ``FusedSGD``: torch.optim optimizers whose step is one fused pass per parameter.
+
+Both dispatch through the kernel registry (ops ``adamw_step`` / ``sgd_step``), so host tensors run the native
+kernel and anything else (other devices, non-contiguous tensors, ``kernels = "reference"``) the pure-torch
+reference. fp32 parameters are updated in place; bf16/fp16 parameters get an fp32 master copy in the
+optimizer state, and the kernel writes the rounded new value straight back into the parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from crosstrain.errors import ConfigError, KernelError
+from crosstrain.kernels import registry
+from crosstrain.optim.host_state import restore_fp32_state
+
+log = logging.getLogger("crosstrain.optim")
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_warned_missing = False
+
+
+def _warn_if_missing() -> None:
+    global _warned_missing
+    from crosstrain.backends.cpu import native
+
+    if not native.available() and not _warned_missing:
+        _warned_missing = True
+        try:
+            native.load()
+        except KernelError as exc:
+            log.warning("%s; fused optimizers use the pure-torch reference step", exc)
+
+
+class _FusedBase(torch.optim.Optimizer):
+    """Shared parameter checks, fp32 master handling and state loading."""
+
+    _fp32_keys: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype not in _PARAM_DTYPES:
+                    dtype = str(p.dtype).replace("torch.", "")
+                    raise KernelError(f"{type(self).__name__} takes fp32/bf16/fp16 parameters, got {dtype}; "
+                                      "use the matching torch.optim optimizer")
+        _warn_if_missing()
+
+    @staticmethod
+    def _master_and_out(p: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fp32 tensor the kernel updates and the low-precision tensor it writes (None for fp32 params)."""
+        if p.dtype == torch.float32:
+            return p.data, None
+        if "master" not in state:
+            state["master"] = p.detach().to(torch.float32, copy=True).contiguous()
+        return state["master"].view(p.shape), p.data
+
+    @staticmethod
+    def _grad(p: torch.Tensor) -> torch.Tensor:
+        if p.grad.is_sparse:
+            raise KernelError("fused optimizers do not take sparse gradients; use torch.optim.SparseAdam")
+        return p.grad
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        restore_fp32_state(self, state_dict, self._fp32_keys)
+
+
+class FusedAdamW(_FusedBase):
+    """AdamW (decoupled weight decay, bias correction, optional amsgrad) as one fused pass per tensor.
+
+    Matches ``torch.optim.AdamW`` (same hyper-parameters and defaults); low-precision parameters keep an fp32
+    master in ``state["master"]``.
+    """
+
+    _fp32_keys = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ConfigError(f"FusedAdamW: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ConfigError(f"FusedAdamW: betas must be in [0, 1), got {tuple(betas)}")
+        if not eps >= 0.0 or not weight_decay >= 0.0:
+            raise ConfigError(f"FusedAdamW: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = self._grad(p)
+                state = self.state[p]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                master, out = self._master_and_out(p, state)
+                step = int(state["step"].item()) + 1
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)  # new tensor: never shared
+                registry.call(
+                    "adamw_step", master, grad, state["exp_avg"], state["exp_avg_sq"],
+                    state.get("max_exp_avg_sq") if group["amsgrad"] else None, out,
+                    step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], maximize=group["maximize"],
+                )
+        return loss
+
+
+class FusedSGD(_FusedBase):
+    """SGD with optional (nesterov) momentum, dampening and weight decay, as one fused pass per tensor.
+
+    Matches ``torch.optim.SGD``; low-precision parameters keep an fp32 master in ``state["master"]``.
+    """
+
+    _fp32_keys = ("master", "momentum_buffer")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        if not lr >= 0.0 or not momentum >= 0.0 or not weight_decay >= 0.0:
+            raise ConfigError(f"FusedSGD: lr, momentum and weight_decay must be >= 0, got {lr}, {momentum}, "
+                              f"{weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ConfigError("FusedSGD: nesterov needs momentum > 0 and dampening = 0")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        maximize=maximize)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            momentum = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = self._grad(p)
+                state = self.state[p]
+                master, out = self._master_and_out(p, state)
+                first = False
+                buf = None
+                if momentum != 0:
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                        first = True
+                registry.call(
+                    "sgd_step", master, grad, buf, out, lr=group["lr"], momentum=momentum,
+                    dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                    first_step=first, maximize=group["maximize"],
+                )
+        return loss
