@@ -205,3 +205,25 @@ def test_registration_imports_no_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_linear_cross_entropy_chunk_size_bounds_the_logits_buffer():
+    from crosstrain.backends.triton.cross_entropy import CHUNK_ELEMENTS, chunk_rows
+
+    assert chunk_rows(8192, 128256) == 1024 and 1024 * 128256 <= CHUNK_ELEMENTS
+    assert chunk_rows(3, 10) == 3 and chunk_rows(5, 10**9) == 1
+    assert chunk_rows(100, 7, budget=64) == 8
+
+
+def test_kernel_benchmark_dry_run_prints_table_and_json():
+    """benchmarks/kernels.py --dry-run exercises the GPU benchmark's code paths on the CPU interpreter."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+    out = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"min_bandwidth_fraction", "min_speedup"} <= set(summary) and summary["dry_run"] is True
+    errs = [r["max_err"] for r in summary["results"] if r["max_err"] is not None]
+    assert len(errs) == 8 and max(errs) < 0.1  # bf16 kernels agree with the eager references

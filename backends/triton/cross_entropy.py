@@ -8,7 +8,7 @@ may write in place over the logits (used by the fused linear + cross-entropy).
 ``linear_cross_entropy`` never materialises the full ``[N, V]`` logits: rows are processed in chunks; for
 each chunk the logits are computed, the loss taken, and (when gradients are needed) the logits buffer is
 overwritten by its gradient and folded into ``grad_hidden`` and an fp32 ``grad_weight`` right away
-(the approach of Liger-Kernel's fused linear cross-entropy).
+(the approach of Liger-Kernel's fused linear cross-entropy), with ``grad_weight`` accumulated in fp32.
 """
 
 from __future__ import annotations
@@ -118,19 +118,26 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     return CrossEntropyFunction.apply(logits, targets, ignore_index)
 
 
-def chunk_rows(n: int, hidden: int, vocab: int) -> int:
-    """Rows per chunk so one chunk's logits are about as large as ``hidden`` (Liger's heuristic)."""
-    factor = triton.cdiv(vocab, max(hidden, 1))
-    return max(1, min(n, triton.next_power_of_2(triton.cdiv(n, factor))))
+#: logits elements per chunk of linear_cross_entropy (2**27 = 256 MiB of bf16 logits, vs N*V for the whole).
+CHUNK_ELEMENTS = 1 << 27
+
+
+def chunk_rows(n: int, vocab: int, budget: int = CHUNK_ELEMENTS) -> int:
+    """Rows per chunk: the largest power of two whose ``[rows, vocab]`` logits fit in ``budget`` elements.
+
+    Large chunks keep the per-chunk fp32 ``grad_weight`` update (one ``[V, H]`` temporary each) rare.
+    """
+    rows = max(1, budget // max(vocab, 1))
+    return max(1, min(n, 1 << (rows.bit_length() - 1)))
 
 
 def _lce_forward(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, need_grad: bool,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    n, h = hidden.shape
+    n = hidden.shape[0]
     v = weight.shape[0]
-    chunk = chunk or chunk_rows(n, h, v)
+    chunk = chunk or chunk_rows(n, v)
     n_valid = _n_valid(targets, ignore_index)
     scale = (1.0 / n_valid).reshape(1)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
