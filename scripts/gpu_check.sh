@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: the backend conformance suite on cuda (or rocm) and the Triton kernel benchmark.
+#
+#   scripts/gpu_check.sh [cuda|rocm] [OUT_DIR]        (OUT_DIR defaults to $OUT, else ./gpu_check_out)
+#
+# Writes to OUT_DIR: env.txt (torch/triton/GPU), conformance.txt (pytest output), kernels.txt (benchmark table),
+# kernels.json (the benchmark's JSON line), summary.txt (one line per step with its exit code).
+# Environment: PYTHON (default python3), SIZE (benchmark size: full|small, default full).
+# If crosstrain is not installed, it is made importable offline without building anything: a temporary folder
+# maps core/ -> crosstrain (backends/, plugins/ inside it) and carries the entry points from pyproject.toml.
+# Exit code: 0 when the conformance suite passed and the benchmark ran, 2 when the backend is unavailable here
+# (everything skipped: nothing verified), else 1.
+set -uo pipefail
+
+BACKEND="${1:-cuda}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${2:-${OUT:-$REPO/gpu_check_out}}"
+PY="${PYTHON:-python3}"
+SIZE="${SIZE:-full}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+: > "$OUT_DIR/summary.txt"
+say() { echo "[gpu_check] $*" | tee -a "$OUT_DIR/summary.txt"; }
+cd "$REPO" || exit 1
+
+"$PY" - > "$OUT_DIR/env.txt" 2>&1 <<'PYEOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "hip", getattr(torch.version, "hip", None))
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as exc:
+    print("triton missing:", exc)
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"gpu {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+PYEOF
+cat "$OUT_DIR/env.txt"
+
+has_crosstrain() {
+  "$PY" -c "import importlib.metadata as m, crosstrain; assert any(e.name == '$BACKEND' for e in m.entry_points(group='crosstrain'))" 2>/dev/null
+}
+if ! has_crosstrain; then
+  SHIM="$(mktemp -d)"
+  "$PY" - "$REPO" "$SHIM" <<'PYEOF'
+import os, sys, tomllib
+repo, shim = sys.argv[1:]
+pkg = os.path.join(shim, "crosstrain")
+os.makedirs(pkg)
+for entry in os.listdir(os.path.join(repo, "core")):
+    os.symlink(os.path.join(repo, "core", entry), os.path.join(pkg, entry))
+for sub in ("backends", "plugins"):
+    if os.path.isdir(os.path.join(repo, sub)):
+        os.symlink(os.path.join(repo, sub), os.path.join(pkg, sub))
+meta = tomllib.load(open(os.path.join(repo, "pyproject.toml"), "rb"))["project"]
+info = os.path.join(shim, f"crosstrain-{meta['version']}.dist-info")
+os.makedirs(info)
+open(os.path.join(info, "METADATA"), "w").write(f"Metadata-Version: 2.1\nName: crosstrain\nVersion: {meta['version']}\n")
+with open(os.path.join(info, "entry_points.txt"), "w") as fh:
+    for group, eps in meta.get("entry-points", {}).items():
+        fh.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n")
+PYEOF
+  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  if has_crosstrain; then say "crosstrain not installed: using the offline shim at $SHIM"; else
+    say "crosstrain cannot be imported (missing dependency?):"; "$PY" -c "import crosstrain" 2>&1 | tail -3 | tee -a "$OUT_DIR/summary.txt"
+  fi
+fi
+
+"$PY" -m crosstrain backends --json > "$OUT_DIR/backends.json" 2>&1
+say "backends: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print('; '.join(f\"{b['name']}={'yes' if b['available'] else 'no'}\" for b in d['backends']))" "$OUT_DIR/backends.json" 2>&1)"
+
+AVAIL="$("$PY" -c "from crosstrain import registry; a = registry.get_backend('$BACKEND').availability(); print('yes' if a else 'no: ' + a.reason)" 2>&1 | tail -1)"
+if [ "$AVAIL" != "yes" ]; then
+  say "backend $BACKEND unavailable here ($AVAIL): nothing was verified on hardware"
+fi
+
+"$PY" -m pytest -q -p no:cacheprovider -rs --pyargs crosstrain.testing.conformance --backend "$BACKEND" \
+  > "$OUT_DIR/conformance.txt" 2>&1
+CONF_RC=$?
+say "conformance ($BACKEND): exit $CONF_RC: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUT_DIR/conformance.txt" | tail -1)"
+
+"$PY" benchmarks/kernels.py --size "$SIZE" > "$OUT_DIR/kernels.txt" 2>&1
+BENCH_RC=$?
+tail -1 "$OUT_DIR/kernels.txt" > "$OUT_DIR/kernels.json"
+say "kernels benchmark: exit $BENCH_RC"
+cat "$OUT_DIR/kernels.txt" | sed '$d'
+say "kernels json: $(cut -c1-400 "$OUT_DIR/kernels.json")"
+
+[ "$AVAIL" != "yes" ] && exit 2
+[ "$CONF_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && exit 0
+exit 1
