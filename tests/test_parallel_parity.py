@@ -32,6 +32,15 @@ LAYOUTS_2: dict[str, tuple[dict, dict, int]] = {
     "pp_gpipe": ({"dp_shard": 1, "pp": 2}, {"pp_schedule": "gpipe", "pp_microbatches": 2}, 1),
     "pp_1f1b_accum": ({"dp_shard": 1, "pp": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}, 2),
 }
+# low precision: the same run in bf16 (autocast, or FSDP's MixedPrecisionPolicy) and fp16 with a loss scale
+MIXED_2: dict[str, tuple[dict, dict, int]] = {
+    "fsdp_bf16": ({"dp_shard": 2}, {"precision": "bf16"}, 1),
+    "tp_bf16": ({"dp_shard": 1, "tp": 2}, {"precision": "bf16"}, 1),
+    "pp_bf16": ({"dp_shard": 1, "pp": 2}, {"precision": "bf16", "pp_microbatches": 2}, 1),
+    "ddp_fp16_scaled": ({"dp_replicate": 2, "dp_shard": 1}, {"precision": "fp16", "loss_scale": 1024.0}, 1),
+    "fsdp_fp16_scaled": ({"dp_shard": 2}, {"precision": "fp16", "loss_scale": 1024.0}, 2),
+}
+MIXED_REL = 3e-2
 LAYOUTS_4: dict[str, tuple[dict, dict, int]] = {
     "fsdp_x_tp": ({"dp_shard": 2, "tp": 2}, {}, 1),
     "hsdp": ({"dp_replicate": 2, "dp_shard": 2}, {}, 1),
@@ -68,9 +77,13 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 def _train_layout(collective: Any, dims_kw: dict, kwargs: dict, accum: int) -> dict[str, Any]:
     from crosstrain.parallel import ParallelDims, build_mesh, dp_rank_and_size, parallelize
 
+    kwargs = dict(kwargs)
+    scale = kwargs.pop("loss_scale", 1.0)
+    kwargs.setdefault("precision", "fp32")
     dims = ParallelDims(world_size=collective.world_size, **dims_kw).resolve()
     mesh = build_mesh(collective, dims)
-    pm = parallelize(_model(), dims, mesh, torch.device("cpu"), precision="fp32", **kwargs)
+    pm = parallelize(_model(), dims, mesh, torch.device("cpu"), **kwargs)
+    master_fp32 = all(p.dtype == torch.float32 for p in pm.parameters())
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=0.1)
     dp_rank, dp_size = dp_rank_and_size(mesh, dims)
     per = BATCH // dp_size
@@ -83,15 +96,18 @@ def _train_layout(collective: Any, dims_kw: dict, kwargs: dict, accum: int) -> d
         for m in range(accum):
             pm.set_gradient_sync(m == accum - 1)
             loss, timings = pm.forward_backward(xs[m * micro:(m + 1) * micro], ys[m * micro:(m + 1) * micro],
-                                                divisor=accum)
+                                                scale=scale, divisor=accum)
             assert set(timings) >= {"forward_s", "backward_s", "comm_s"}
             step_loss += loss.item() / accum
+        if scale != 1.0:  # what the trainer's loss scaler does before clipping
+            for p in pm.parameters():
+                p.grad.div_(scale)
         norms.append(pm.clip_grad_norm_(CLIP).item())
         opt.step()
         losses.append(step_loss)
     state = pm.full_state_dict()
     # numpy arrays travel by value (torch tensors would go through shared memory that dies with the worker)
-    return {"losses": losses, "norms": norms, "digest": _digest(state),
+    return {"losses": losses, "norms": norms, "digest": _digest(state), "master_fp32": master_fp32,
             "state": {k: v.numpy() for k, v in state.items()} if collective.rank == 0 else None}
 
 
@@ -126,7 +142,7 @@ def reference() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results2() -> dict[str, Any]:
-    return _merge(run_ranks(_run_all, 2, LAYOUTS_2, timeout=400))
+    return _merge(run_ranks(_run_all, 2, {**LAYOUTS_2, **MIXED_2}, timeout=500))
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +159,7 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _check(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert result["master_fp32"]
     for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
         assert math.isclose(got, want, rel_tol=REL), f"step {step}: loss {got} != single-process {want}"
     for step, (got, want) in enumerate(zip(result["norms"], reference["norms"])):
@@ -170,3 +187,16 @@ def test_two_rank_layout_matches_single_process(layout, results2, reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_four_rank_layout_matches_single_process(layout, results4, reference):
     _check(results4[layout], reference)
+
+
+@pytest.mark.parametrize("layout", list(MIXED_2))
+def test_low_precision_layout_tracks_fp32(layout, results2, reference):
+    result = results2[layout]
+    assert result["master_fp32"], "parameters (the optimizer's master weights) must stay fp32"
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+        assert math.isfinite(got) and math.isclose(got, want, rel_tol=MIXED_REL), f"step {step}: {got} vs {want}"
+    assert all(losses == result["losses"] for losses in result["all_losses"])
+    assert len(set(result["digests"])) == 1
+    # low precision changes the numbers: the final weights differ from fp32 but stay close
+    diff = max((torch.from_numpy(v) - reference["state"][k]).abs().max().item() for k, v in result["state"].items())
+    assert 0 < diff < 0.05

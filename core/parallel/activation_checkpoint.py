@@ -41,7 +41,14 @@ def apply_ac(model: nn.Module, mode: str) -> int:
     return wrapped
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place (``nn.Module.compile``; parameter names do not change)."""
+def apply_compile(model: nn.Module, backend: str | bool = True) -> None:
+    """Compile each block in place (``nn.Module.compile``; parameter names do not change).
+
+    ``backend`` True uses torch.compile's default (inductor); a string names another dynamo backend.
+    """
+    from crosstrain import kernels
+
+    kernels.registry.ops()  # populate the kernel registry now: its lock must not be met inside a traced region
+    kwargs = {} if backend is True else {"backend": str(backend)}
     for block in model.layers.values():
-        block.compile()
+        block.compile(**kwargs)

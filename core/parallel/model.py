@@ -201,14 +201,15 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device, *,
-                precision: str = "fp32", activation_checkpoint: str = "none", compile: bool = False,
+                precision: str = "fp32", activation_checkpoint: str = "none", compile: bool | str = False,
                 pp_schedule: str = "1f1b", pp_microbatches: int = 0) -> ParallelModel:
     """Shard ``model`` (a GPT built identically on every rank) over ``mesh`` and return a ParallelModel.
 
     Order as in torchtitan: pipeline split, tensor parallel, activation checkpointing, per-block compile,
     then FSDP2 (HSDP when both dp dims > 1) or DDP. Parameters are kept in fp32 (the master weights);
     ``precision`` bf16/fp16 computes in low precision through FSDP's MixedPrecisionPolicy when sharded,
-    through autocast on ``device``'s type otherwise. ``pp_microbatches <= 0`` means ``pp``.
+    through autocast on ``device``'s type otherwise. ``pp_microbatches <= 0`` means ``pp``. ``compile`` True
+    compiles each block with torch.compile's default backend; a string names the dynamo backend.
     """
     if precision not in PRECISIONS:
         raise ConfigError(f"precision.dtype={precision!r} is not allowed; use one of {', '.join(PRECISIONS)}")
@@ -221,6 +222,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
     if world != dims.dp_degree * dims.tp * dims.pp:
         raise ConfigError(f"parallel dims {dims.describe()} do not match the mesh of {world} ranks")
     every = ac.parse_ac(activation_checkpoint)  # validate before touching the model
+    if str(pp_schedule).lower() not in ppmod.SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule={pp_schedule!r} is not allowed; use one of {', '.join(ppmod.SCHEDULES)}"
+        )
 
     model = model.to(device=device, dtype=torch.float32)
     schedule = None
@@ -235,7 +240,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
     if every:
         ac.apply_ac(model, activation_checkpoint)
     if compile:
-        ac.apply_compile(model)
+        ac.apply_compile(model, compile)
 
     use_ddp = use_fsdp = False
     module: nn.Module = model
