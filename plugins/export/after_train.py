@@ -25,6 +25,9 @@ def _rank() -> int:
 
 def full_state_dict(context: Any) -> dict[str, torch.Tensor] | None:
     """The full model state from the training context (a collective on every rank for sharded models)."""
+    final = getattr(context, "final_state_dict", None)  # the Trainer gathers it once after the last step
+    if isinstance(final, dict) and final:
+        return final
     for attr in _MODEL_ATTRS:
         obj = getattr(context, attr, None)
         if obj is None:
@@ -54,6 +57,7 @@ def export_after_train(context: Any, run_dir: str) -> dict[str, Any] | None:
     state = full_state_dict(context)  # every rank takes part in the gather
     if _rank() != 0:
         return None
+    from crosstrain.models.gpt import GPTConfig
     from crosstrain.plugins.export.loading import (
         LoadedModel,
         build_model,
@@ -66,8 +70,11 @@ def export_after_train(context: Any, run_dir: str) -> dict[str, Any] | None:
     if state is None:
         loaded = load_model(run_dir)
     else:
-        cfg_dict = config.to_dict() if hasattr(config, "to_dict") else {}
-        model = build_model(gpt_config_from_dict(cfg_dict, "training config"), state, str(run_dir))
+        gpt_cfg = getattr(context, "model_config", None)
+        if not isinstance(gpt_cfg, GPTConfig):
+            cfg_dict = config.to_dict() if hasattr(config, "to_dict") else {}
+            gpt_cfg = gpt_config_from_dict(cfg_dict, "training config")
+        model = build_model(gpt_cfg, state, str(run_dir))
         loaded = LoadedModel(model, model.config, tokenizer_metadata(model.config), str(run_dir))
     out_dir = Path(run_dir) / section.dir
     report: dict[str, Any] = {}

@@ -116,25 +116,19 @@ def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # -- checkpoints --------------------------------------------------------------------------------------------------
 def latest_checkpoint(folder: Path) -> Path:
-    """The newest complete checkpoint under ``folder`` (a ``checkpoints/`` folder)."""
-    try:
-        from crosstrain.checkpoint.manager import CheckpointManager
-    except ImportError:
-        CheckpointManager = None  # noqa: N806 - optional until the checkpoint manager lands
-    if CheckpointManager is not None:
-        manager = CheckpointManager(str(folder))
-        try:
-            info = manager.latest()
-        finally:
-            manager.close()
-        if info is None:
-            raise CheckpointError(f"no complete checkpoint under {folder}; train with checkpoint.every > 0")
-        return Path(getattr(info, "path", info))
+    """The newest checkpoint under ``folder`` (a ``checkpoints/`` folder) whose checksums verify."""
     steps = sorted(((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()),
                    reverse=True)
     if not steps:
         raise CheckpointError(f"no checkpoint (step_N folder) under {folder}; train with checkpoint.every > 0")
-    return steps[0][1]
+    try:
+        from crosstrain.checkpoint.manager import find_latest
+    except ImportError:  # a build without the checkpoint manager: newest step_N folder
+        return steps[0][1]
+    info = find_latest(folder)
+    if info is None:
+        raise CheckpointError(f"no complete checkpoint under {folder}: every step_N failed verification")
+    return Path(info.path)
 
 
 def _consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
