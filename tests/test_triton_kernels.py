@@ -175,6 +175,11 @@ def test_registered_through_the_registry_and_dispatched_by_predicate():
     assert reg.resolve("rms_norm", x.t().contiguous().t(), torch.randn(4), 1e-6) is reference.rms_norm  # strided
     assert reg.resolve("rms_norm", torch.randn(2, 20000), torch.randn(20000)) is reference.rms_norm  # too wide
     assert reg.resolve("swiglu", torch.randn(3), torch.randn(3).double()) is reference.swiglu  # dtype
+
+    class Sub(torch.Tensor):  # stands for DTensor and other subclasses, whose storage a kernel must not read
+        pass
+
+    assert reg.resolve("swiglu", torch.randn(3).as_subclass(Sub), torch.randn(3)) is reference.swiglu
     cos = torch.randn(5, 4, requires_grad=True)
     assert reg.resolve("rotary_embedding", torch.randn(5, 2, 8), cos, cos.detach()) is reference.rotary_embedding
     assert reg.resolve("cross_entropy", torch.randn(2, 3, 4), torch.zeros(2, 4, dtype=torch.long)) is (

@@ -48,7 +48,9 @@ def npu_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _on_npu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "npu" and t.dtype in FLOATS for t in tensors)
+    # Plain tensors only: subclasses (DTensor, ...) take the reference path.
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "npu" and t.dtype in FLOATS
+               for t in tensors)
 
 
 def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> bool:

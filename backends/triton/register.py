@@ -40,7 +40,11 @@ def _lazy(module: str, fn: str) -> Callable[..., Any]:
 
 
 def _ok(t: torch.Tensor, device_type: str) -> bool:
-    return t.device.type == device_type and t.dtype in FLOATS and t.is_contiguous()
+    # Plain tensors only: tensor subclasses (DTensor under tensor parallelism, ...) take the reference path.
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == device_type and t.dtype in FLOATS
+        and t.is_contiguous()
+    )
 
 
 def supports_rms_norm(device_type: str) -> Callable[..., bool]:
