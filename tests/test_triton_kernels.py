@@ -180,6 +180,27 @@ def test_registered_through_the_registry_and_dispatched_by_predicate():
         pass
 
     assert reg.resolve("swiglu", torch.randn(3).as_subclass(Sub), torch.randn(3)) is reference.swiglu
+
+
+def test_torch_compile_traces_the_reference():
+    """Under torch.compile dispatch picks the reference, which inductor then fuses (no graph break on the kernel)."""
+    from crosstrain.backends.triton.register import register_triton_kernels
+
+    reg = KernelRegistry()
+    reg._populated = True
+    for name, (fn, doc) in reference.CORE_OPS.items():
+        reg.declare(name, fn, doc)
+    register_triton_kernels(reg, backend="test", device_type="cpu")
+    seen = []
+
+    def f(g, u):
+        seen.append(reg.resolve("swiglu", g, u))
+        return reg.call("swiglu", g, u)
+
+    g, u = torch.randn(4, 8), torch.randn(4, 8)
+    torch.testing.assert_close(torch.compile(f, backend="eager")(g, u), reference.swiglu(g, u))
+    assert seen and all(fn is reference.swiglu for fn in seen)
+    assert f(g, u) is not None and seen[-1].__name__ == "triton_swiglu"  # eager still takes the kernel
     cos = torch.randn(5, 4, requires_grad=True)
     assert reg.resolve("rotary_embedding", torch.randn(5, 2, 8), cos, cos.detach()) is reference.rotary_embedding
     assert reg.resolve("cross_entropy", torch.randn(2, 3, 4), torch.zeros(2, 4, dtype=torch.long)) is (

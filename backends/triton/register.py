@@ -41,9 +41,10 @@ def _lazy(module: str, fn: str) -> Callable[..., Any]:
 
 def _ok(t: torch.Tensor, device_type: str) -> bool:
     # Plain tensors only: tensor subclasses (DTensor under tensor parallelism, ...) take the reference path.
+    # Under torch.compile the reference is traced instead, so inductor fuses it with its neighbours (no graph break).
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == device_type and t.dtype in FLOATS
-        and t.is_contiguous()
+        and t.is_contiguous() and not torch.compiler.is_compiling()
     )
 
 
