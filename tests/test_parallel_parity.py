@@ -105,9 +105,11 @@ def _train_layout(collective: Any, dims_kw: dict, kwargs: dict, accum: int) -> d
         norms.append(pm.clip_grad_norm_(CLIP).item())
         opt.step()
         losses.append(step_loss)
+    x0, y0 = _batches()[0]
+    eval_loss = pm.eval_loss(x0[dp_rank * per:(dp_rank + 1) * per], y0[dp_rank * per:(dp_rank + 1) * per]).item()
     state = pm.full_state_dict()
     # numpy arrays travel by value (torch tensors would go through shared memory that dies with the worker)
-    return {"losses": losses, "norms": norms, "digest": _digest(state), "master_fp32": master_fp32,
+    return {"losses": losses, "norms": norms, "digest": _digest(state), "master_fp32": master_fp32, "eval": eval_loss,
             "state": {k: v.numpy() for k, v in state.items()} if collective.rank == 0 else None}
 
 
@@ -134,10 +136,14 @@ def reference() -> dict[str, Any]:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
             opt.step()
             losses.append(loss.item())
+        with torch.no_grad():
+            x0, y0 = _batches()[0]
+            logits = model(x0)
+            eval_loss = kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), y0.reshape(-1)).item()
     finally:
         torch.set_num_threads(threads)
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "state": state}
+    return {"losses": losses, "norms": norms, "state": state, "eval": eval_loss}
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +170,7 @@ def _check(result: dict[str, Any], reference: dict[str, Any]) -> None:
         assert math.isclose(got, want, rel_tol=REL), f"step {step}: loss {got} != single-process {want}"
     for step, (got, want) in enumerate(zip(result["norms"], reference["norms"])):
         assert math.isclose(got, want, rel_tol=REL), f"step {step}: grad norm {got} != single-process {want}"
+    assert math.isclose(result["eval"], reference["eval"], rel_tol=REL), "eval_loss after training"
     # every rank reports the same loss and holds the same full state
     assert all(losses == result["losses"] for losses in result["all_losses"])
     assert len(set(result["digests"])) == 1, "full_state_dict differs between ranks"

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from crosstrain.parallel.state import quiet_redistribute
+
 
 def _group_grads(params: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
     """Gradients grouped by (mesh, placements) for DTensors; plain tensors under the key ``None``."""
@@ -32,11 +34,12 @@ def total_grad_norm(params: Iterable[torch.Tensor], pp_group: Any = None,
     """
     groups = _group_grads(params)
     squares: list[torch.Tensor] = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.float().pow(2))
+    with quiet_redistribute():
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            squares.append(norm.float().pow(2))
     if squares:
         total_sq = torch.stack([s.to(squares[0].device) for s in squares]).sum()
     else:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,14 +25,22 @@ def clean_name(name: str, ddp: bool = False) -> str:
     return name
 
 
+@contextlib.contextmanager
+def quiet_redistribute() -> Iterator[None]:
+    """Silence DTensor's per-call warning that a 2-D redistribution takes two collectives (FSDP x TP)."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def local_full_state(module: nn.Module, ddp: bool = False) -> dict[str, torch.Tensor]:
     """This stage's state with DTensors gathered (a collective over their meshes), as fp32 CPU tensors."""
     out: dict[str, torch.Tensor] = {}
-    # FSDP x TP parameters gather in two steps; DTensor logs a (harmless) warning for each: keep it quiet.
-    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute_log.level
-    redistribute_log.setLevel(logging.ERROR)
-    try:
+    with quiet_redistribute():
         for name, tensor in module.state_dict().items():
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
@@ -38,8 +48,6 @@ def local_full_state(module: nn.Module, ddp: bool = False) -> dict[str, torch.Te
             if tensor.is_floating_point():
                 tensor = tensor.to(torch.float32)
             out[clean_name(name, ddp)] = tensor.cpu().clone()
-    finally:
-        redistribute_log.setLevel(level)
     return out
 
 
