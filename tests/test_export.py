@@ -217,19 +217,60 @@ def test_context_too_long_is_one_line_error(exported: dict, capsys: pytest.Captu
     assert re.search(r"264 exceeds the model's max_seq_len 256", line)
 
 
-def test_parity_failure_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """An impossible tolerance makes the (real) parity check fail: one-line error, no file, no temp leftovers."""
+def test_parity_failure_writes_nothing_and_backend_kernels_never_leak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A deliberately wrong rms_norm kernel is registered for CPU tensors; the export still traces the reference.
+
+    An impossible tolerance then makes the (real) parity check fail: one-line error, no file, no temp leftovers,
+    and the error it reports is the fp32 rounding of a reference-only graph (GQA model: 2 heads, 1 kv head).
+    """
+    from crosstrain.kernels import registry
+    from crosstrain.kernels.reference import rms_norm as rms_norm_ref
+
     torch.manual_seed(1)
-    small = build_gpt("tiny", n_layers=1, dim=32, n_heads=2).eval()
+    small = build_gpt("tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=1).eval()
     src = save_plain(small, tmp_path / "src")
-    (tmp_path / "src" / "config.json").write_text(json.dumps({"model": {"preset": "tiny", "n_layers": 1, "dim": 32,
-                                                                         "n_heads": 2}}))
+    (tmp_path / "src" / "config.json").write_text(json.dumps(
+        {"model": {"preset": "tiny", "n_layers": 1, "dim": 32, "n_heads": 2, "n_kv_heads": 1}}))
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    rc = main(["export", str(src), "--out", str(out_dir / "strict.onnx"), "--tolerance", "1e-12"])
+
+    def wrong_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+        return rms_norm_ref(x, w, eps) * 1.5
+
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        expected = small(ids)
+    registry.register("rms_norm", wrong_rms_norm, backend=registry.active_backend or "test", device_type="cpu",
+                      priority=10_000, label="wrong_for_test")
+    try:
+        with torch.no_grad():
+            assert not torch.allclose(small(ids), expected)  # the wrong kernel is really dispatched in eager
+        rc = main(["export", str(src), "--out", str(out_dir / "strict.onnx"), "--tolerance", "1e-12"])
+    finally:
+        registry.reset()
     assert rc == 7
-    assert "parity check failed" in _one_line_error(capsys)
+    line = _one_line_error(capsys)
+    assert "parity check failed" in line and "nothing was written" in line
+    err = float(re.search(r"max abs logit error ([0-9.e+-]+)", line).group(1))
+    assert 0 < err < 1e-4  # a leaked 1.5x rms_norm would be off by O(1)
     assert list(out_dir.iterdir()) == []
+
+
+def test_safetensors_roundtrip_tied_embeddings(tmp_path: Path) -> None:
+    from crosstrain.plugins.export.loading import LoadedModel, load_model, save_safetensors, tokenizer_metadata
+
+    torch.manual_seed(2)
+    model = build_gpt("tiny", tie_embeddings=True, vocab_size=300).eval()
+    save_safetensors(LoadedModel(model, model.config, tokenizer_metadata(model.config), "test"),
+                     tmp_path / "t.safetensors")
+    loaded = load_model(tmp_path / "t.safetensors")
+    assert loaded.config.tie_embeddings and loaded.tokenizer["type"] == "none"
+    assert loaded.model.output.weight is loaded.model.tok_embeddings.weight
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids), model(ids), rtol=0, atol=0)
 
 
 def test_plugin_hooks_registered() -> None:
