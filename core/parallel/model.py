@@ -227,6 +227,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
             f"parallel.pp_schedule={pp_schedule!r} is not allowed; use one of {', '.join(ppmod.SCHEDULES)}"
         )
 
+    if (dims.pp > 1 or dims.tp > 1 or every or compile) and not isinstance(getattr(model, "layers", None),
+                                                                          nn.ModuleDict):
+        raise ConfigError(
+            "parallel.pp/tp, activation checkpointing and compile need a GPT-like model with a `layers` "
+            "ModuleDict of blocks; use the built-in GPT or turn them off"
+        )
     model = model.to(device=device, dtype=torch.float32)
     schedule = None
     microbatches = 1
