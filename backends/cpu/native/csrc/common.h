@@ -20,7 +20,7 @@ struct AdamArgs {
   float omb1;          // 1 - beta1
   float beta2;
   float omb2;          // 1 - beta2
-  float bc2_sqrt;      // sqrt(1 - beta2^step)
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step)
   float neg_step_size; // -lr / (1 - beta1^step)
   float eps;
   float grad_scale;

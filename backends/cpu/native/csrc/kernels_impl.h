@@ -30,7 +30,11 @@ struct Scalar {
 #else
   static inline vec load_f16(const uint16_t* p) { return f16_to_f32_soft(*p); }
   static inline void store_f16(uint16_t* p, vec x) { *p = f32_to_f16_soft(x); }
-  static inline vec fmadd(vec a, vec b, vec c) { return __builtin_fmaf(a, b, c); }  // libm picks HW FMA if any
+#if defined(__FMA__) || defined(__aarch64__)
+  static inline vec fmadd(vec a, vec b, vec c) { return __builtin_fmaf(a, b, c); }  // one instruction
+#else
+  static inline vec fmadd(vec a, vec b, vec c) { return a * b + c; }  // no FMA unit assumed (libm fmaf is slow)
+#endif
 #endif
   static inline vec add(vec a, vec b) { return a + b; }
   static inline vec sub(vec a, vec b) { return a - b; }
@@ -167,7 +171,7 @@ static inline void adam_one(const AdamArgs& a, int64_t i) {
   } else {
     den = V::sqrt(v);
   }
-  den = V::add(V::div(den, V::set1(a.bc2_sqrt)), V::set1(a.eps));  // sqrt(v) / bc2_sqrt + eps
+  den = V::fmadd(den, V::set1(a.inv_bc2_sqrt), V::set1(a.eps));  // sqrt(v) / bc2_sqrt + eps (one divide less)
   p = V::add(p, V::div(V::mul(V::set1(a.neg_step_size), m), den));  // param.addcdiv_(m, den, -step_size)
   V::store(a.p + i, p);
   V::store(a.m + i, m);

@@ -129,7 +129,7 @@ void adamw_step(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::
   a.omb1 = static_cast<float>(1.0 - beta1);
   a.beta2 = static_cast<float>(beta2);
   a.omb2 = static_cast<float>(1.0 - beta2);
-  a.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+  a.inv_bc2_sqrt = static_cast<float>(1.0 / std::pow(bc2, 0.5));
   a.neg_step_size = static_cast<float>(-(lr / bc1));
   a.eps = static_cast<float>(eps);
   a.grad_scale = static_cast<float>(grad_scale);
