@@ -119,9 +119,9 @@ def main() -> None:
     summary: dict[str, Any] = {"threads": 1, "prefill_len": args.prefill_len}
     by = {r["preset"]: r for r in results}
     for preset, suffix in (("tiny", ""), ("100m", "_large")):
-        r = by.get(preset)
-        if r is None:
+        if preset not in by:
             continue
+        r = by[preset]
         summary[f"decode_latency_ratio{suffix}"] = r["decode_ms_p32_ort_fp32"] / r["decode_ms_p32_eager"]
         summary[f"decode_latency_ratio{suffix}_p512"] = r["decode_ms_p512_ort_fp32"] / r["decode_ms_p512_eager"]
         summary[f"int8_over_fp32_decode{suffix}"] = r["decode_ms_p32_ort_int8"] / r["decode_ms_p32_ort_fp32"]

@@ -16,6 +16,7 @@ import torch
 from crosstrain.kernels import registry as kernel_registry
 from crosstrain.models.gpt import GPT, GPTConfig
 from crosstrain.plugins.export.errors import ExportError
+from crosstrain.plugins.export.runtime import run
 
 
 class Engine(Protocol):
@@ -73,7 +74,7 @@ class OrtEngine:
     def forward(self, ids: np.ndarray, cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         feeds = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64)}
         feeds.update(zip(self._past_names, cache))
-        outs = self.session.run(None, feeds)
+        outs = run(self.session, feeds)
         return outs[0], outs[1:]
 
 

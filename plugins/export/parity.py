@@ -63,7 +63,7 @@ def check_parity(
     raise_on_fail: bool = True,
 ) -> ParityReport:
     """Compare ``model`` with the ONNX graph at ``onnx_path``; raise :class:`ParityError` above ``tolerance``."""
-    from crosstrain.plugins.export.runtime import make_session
+    from crosstrain.plugins.export.runtime import make_session, run
 
     cfg = model.config
     prefill_len = max(1, min(prefill_len, cfg.max_seq_len - decode_steps - 3))
@@ -81,7 +81,7 @@ def check_parity(
             if step > 0:
                 ids = torch.randint(0, cfg.vocab_size, (batch, width), generator=gen)
             logits, torch_past = model.forward_with_cache(ids, torch_past)
-            outs = session.run(None, _feeds(ids, ort_past))
+            outs = run(session, _feeds(ids, ort_past))
             err = float(np.abs(outs[0] - logits.numpy()).max())
             flat = [t for kv in torch_past for t in kv]
             err_cache = max(err_cache, max(float(np.abs(o - t.numpy()).max()) for o, t in zip(outs[1:], flat)))

@@ -18,7 +18,7 @@ def make_session(path: str | os.PathLike[str], threads: int | None = None) -> An
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # errors are re-raised as one-line ExportErrors
     if threads is not None:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -38,6 +38,16 @@ def read_metadata(session: Any) -> tuple[GPTConfig, dict[str, Any]]:
     cfg = gpt_config_from_dict(json.loads(props[META_CONFIG]), "ONNX metadata")
     tokenizer = json.loads(props.get(META_TOKENIZER, "{}")) or {"type": "none", "vocab_size": cfg.vocab_size}
     return cfg, tokenizer
+
+
+def run(session: Any, feeds: dict[str, Any]) -> list[Any]:
+    """``session.run`` with onnxruntime failures (bad shapes, corrupt graphs) turned into a one-line ExportError."""
+    try:
+        return session.run(None, feeds)
+    except Exception as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        raise ExportError(f"onnxruntime failed to run the model: {lines[0][:300] if lines else type(exc).__name__}; "
+                          "check the input shapes (past + seq must fit max_seq_len)") from exc
 
 
 def is_onnx(path: str | os.PathLike[str]) -> bool:
