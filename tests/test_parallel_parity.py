@@ -32,6 +32,10 @@ LAYOUTS_2: dict[str, tuple[dict, dict, int]] = {
     "pp_gpipe": ({"dp_shard": 1, "pp": 2}, {"pp_schedule": "gpipe", "pp_microbatches": 2}, 1),
     "pp_1f1b_accum": ({"dp_shard": 1, "pp": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}, 2),
 }
+# tied input/output embeddings: one vocab-sharded DTensor serves both (checked against a tied reference)
+TIED_2: dict[str, tuple[dict, dict, int]] = {
+    "tp_tied": ({"dp_shard": 1, "tp": 2}, {"tie_embeddings": True}, 1),
+}
 # low precision: the same run in bf16 (autocast, or FSDP's MixedPrecisionPolicy) and fp16 with a loss scale
 MIXED_2: dict[str, tuple[dict, dict, int]] = {
     "fsdp_bf16": ({"dp_shard": 2}, {"precision": "bf16"}, 1),
@@ -59,11 +63,11 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _model() -> torch.nn.Module:
+def _model(tie: bool = False) -> torch.nn.Module:
     from crosstrain.models.gpt import build_gpt
 
     torch.manual_seed(0)
-    return build_gpt("tiny")
+    return build_gpt("tiny", tie_embeddings=tie)
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:
@@ -79,10 +83,11 @@ def _train_layout(collective: Any, dims_kw: dict, kwargs: dict, accum: int) -> d
 
     kwargs = dict(kwargs)
     scale = kwargs.pop("loss_scale", 1.0)
+    tie = kwargs.pop("tie_embeddings", False)
     kwargs.setdefault("precision", "fp32")
     dims = ParallelDims(world_size=collective.world_size, **dims_kw).resolve()
     mesh = build_mesh(collective, dims)
-    pm = parallelize(_model(), dims, mesh, torch.device("cpu"), **kwargs)
+    pm = parallelize(_model(tie), dims, mesh, torch.device("cpu"), **kwargs)
     master_fp32 = all(p.dtype == torch.float32 for p in pm.parameters())
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=0.1)
     dp_rank, dp_size = dp_rank_and_size(mesh, dims)
@@ -119,13 +124,22 @@ def _run_all(collective: Any, layouts: dict[str, tuple[dict, dict, int]]) -> dic
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
+    return _reference(tie=False)
+
+
+@pytest.fixture(scope="module")
+def reference_tied() -> dict[str, Any]:
+    return _reference(tie=True)
+
+
+def _reference(tie: bool) -> dict[str, Any]:
     """The single-process run: a plain PyTorch loop, no crosstrain.parallel involved."""
     from crosstrain import kernels
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = _model()
+        model = _model(tie)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
         losses, norms = [], []
         for x, y in _batches():
@@ -148,7 +162,7 @@ def reference() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results2() -> dict[str, Any]:
-    return _merge(run_ranks(_run_all, 2, {**LAYOUTS_2, **MIXED_2}, timeout=500))
+    return _merge(run_ranks(_run_all, 2, {**LAYOUTS_2, **MIXED_2, **TIED_2}, timeout=500))
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +203,13 @@ def test_reference_learns(reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_two_rank_layout_matches_single_process(layout, results2, reference):
     _check(results2[layout], reference)
+
+
+@pytest.mark.parametrize("layout", list(TIED_2))
+def test_tied_embedding_layout_matches_single_process(layout, results2, reference_tied):
+    _check(results2[layout], reference_tied)
+    assert torch.equal(torch.from_numpy(results2[layout]["state"]["output.weight"]),
+                       torch.from_numpy(results2[layout]["state"]["tok_embeddings.weight"]))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))

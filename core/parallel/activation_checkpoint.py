@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -34,9 +36,10 @@ def apply_ac(model: nn.Module, mode: str) -> int:
     if not every:
         return 0
     wrapped = 0
-    for key in list(model.layers.keys()):
+    layers = cast(nn.ModuleDict, model.layers)
+    for key in list(layers.keys()):
         if int(key) % every == 0:
-            model.layers[key] = checkpoint_wrapper(model.layers[key], preserve_rng_state=False)
+            layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False)
             wrapped += 1
     return wrapped
 
@@ -50,5 +53,5 @@ def apply_compile(model: nn.Module, backend: str | bool = True) -> None:
 
     kernels.registry.ops()  # populate the kernel registry now: its lock must not be met inside a traced region
     kwargs = {} if backend is True else {"backend": str(backend)}
-    for block in model.layers.values():
+    for block in cast(nn.ModuleDict, model.layers).values():
         block.compile(**kwargs)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from crosstrain import kernels
 from crosstrain.errors import ConfigError
@@ -109,7 +111,9 @@ class ParallelModel:
         """
         if self.schedule is not None:
             return self._pp_forward_backward(inputs, targets, scale, divisor)
-        sync = self.module.no_sync() if (self.use_ddp and not self._grad_sync) else contextlib.nullcontext()
+        sync: Any = contextlib.nullcontext()
+        if self.use_ddp and not self._grad_sync:
+            sync = cast(DistributedDataParallel, self.module).no_sync()
         with sync:
             t0 = self._now()
             with self._autocast():
@@ -175,7 +179,7 @@ class ParallelModel:
         """
         self._grad_sync = bool(enabled)
         if self.use_fsdp and self.schedule is None:
-            self.module.set_requires_gradient_sync(self._grad_sync)
+            cast(FSDPModule, self.module).set_requires_gradient_sync(self._grad_sync)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient L2 norm to ``max_norm`` (<= 0: measure only); returns the norm before."""

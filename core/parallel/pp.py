@@ -9,7 +9,7 @@ their global index, so parameter names match the plain model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -30,16 +30,17 @@ def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
 
 def split_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
     """Turn ``model`` (in place) into pipeline stage ``stage`` of ``pp`` and return it."""
-    keys = list(model.layers.keys())
+    layers = cast(nn.ModuleDict, model.layers)
+    keys = list(layers.keys())
     keep = {keys[i] for i in stage_layers(len(keys), pp, stage)}
     for key in keys:
         if key not in keep:
-            del model.layers[key]
+            del layers[key]
     if stage != 0:
-        model.tok_embeddings = None
+        setattr(model, "tok_embeddings", None)  # noqa: B010 (nn.Module attribute typing)
     if stage != pp - 1:
-        model.norm = None
-        model.output = None
+        setattr(model, "norm", None)  # noqa: B010
+        setattr(model, "output", None)  # noqa: B010
     return model
 
 

@@ -10,7 +10,7 @@ on every tp rank.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -40,8 +40,9 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     tied = bool(getattr(getattr(model, "config", None), "tie_embeddings", False))
     if top:
         parallelize_module(model, tp_mesh, top)
-    if tied and model.output is not None and model.tok_embeddings is not None:
+    output, embeddings = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    if tied and output is not None and embeddings is not None:
         # Both shard the [vocab, dim] weight on dim 0, so the tie survives as one DTensor.
-        model.output.weight = model.tok_embeddings.weight
-    for block in model.layers.values():
+        output.weight = embeddings.weight
+    for block in cast(nn.ModuleDict, model.layers).values():
         parallelize_module(block, tp_mesh, block_plan())
