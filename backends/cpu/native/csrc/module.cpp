@@ -77,7 +77,7 @@ int max_threads() {
 // Split [0, n) into one contiguous block per thread (64-element aligned) and run fn on each.
 template <class F>
 void parallel_blocks(int64_t n, int threads, F&& fn) {
-  constexpr int64_t kSerialBelow = 1 << 15;
+  constexpr int64_t kSerialBelow = 1 << 16;  // below ~256 KiB per array a fork/join costs more than it saves
   if (threads <= 0) threads = max_threads();
   if (n <= kSerialBelow || threads <= 1) {
     fn(0, n);
