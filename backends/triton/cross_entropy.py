@@ -133,16 +133,19 @@ def chunk_rows(n: int, vocab: int, budget: int = CHUNK_ELEMENTS) -> int:
 
 def _lce_forward(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, need_grad: bool,
-    chunk: int | None = None,
+    chunk: int | None = None, need_hidden: bool = True, need_weight: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Loss, and (``need_grad``) the gradients of the mean loss w.r.t. ``hidden`` and ``weight`` (None if unneeded)."""
     n = hidden.shape[0]
     v = weight.shape[0]
     chunk = chunk or chunk_rows(n, v)
     n_valid = _n_valid(targets, ignore_index)
     scale = (1.0 / n_valid).reshape(1)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if need_grad else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+    grad_hidden = torch.empty_like(hidden) if need_grad and need_hidden else None
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad and need_weight else None
+    )
     for start in range(0, n, chunk):
         h_c = hidden[start : start + chunk]
         t_c = targets[start : start + chunk]
@@ -150,10 +153,11 @@ def _lce_forward(
         loss, lse = _row_losses(logits, t_c, ignore_index)
         total += loss.sum()
         if need_grad:
-            assert grad_hidden is not None and grad_weight is not None
             _grad_logits(logits, t_c, lse, scale, ignore_index, logits)  # in place: logits -> d loss / d logits
-            torch.matmul(logits, weight, out=grad_hidden[start : start + chunk])
-            grad_weight += logits.t() @ h_c
+            if grad_hidden is not None:
+                torch.matmul(logits, weight, out=grad_hidden[start : start + chunk])
+            if grad_weight is not None:
+                grad_weight += logits.t() @ h_c
     return total / n_valid, grad_hidden, grad_weight
 
 
@@ -162,7 +166,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int
     ) -> torch.Tensor:
-        loss, gh, gw = _lce_forward(hidden, weight, targets, ignore_index, need_grad=True)
+        loss, gh, gw = _lce_forward(hidden, weight, targets, ignore_index, need_grad=True,
+                                    need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1])
         ctx.save_for_backward(gh, gw)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -171,8 +176,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         gh, gw = ctx.saved_tensors
         g = grad.to(torch.float32)
-        dh = (gh * g).to(gh.dtype) if ctx.needs_input_grad[0] else None
-        dw = (gw * g).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        dh = (gh * g).to(gh.dtype) if gh is not None else None
+        dw = (gw * g).to(ctx.weight_dtype) if gw is not None else None
         return dh, dw, None, None
 
 
