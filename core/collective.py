@@ -19,6 +19,8 @@ import torch.distributed as dist
 from crosstrain.device import Device
 from crosstrain.distenv import DistEnv
 from crosstrain.errors import CollectiveError
+from crosstrain.fault.elastic import elastic_store
+from crosstrain.fault.timeout import guarded
 
 #: mesh dimension names, outermost first; any subset may be used, in this order.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
@@ -65,6 +67,9 @@ class Collective:
         kwargs: dict[str, Any] = {"backend": self.device.dist_backend, "timeout": self.timeout}
         if self.device.type != "cpu":
             kwargs["device_id"] = self.device.device_for_local_rank(self.env.local_rank)
+        store = elastic_store(self.timeout)  # fresh keys per elastic restart (torchrun reuses its store)
+        if store is not None:
+            kwargs.update(store=store, rank=self.env.rank, world_size=self.env.world_size)
         dist.init_process_group(**kwargs)
 
     def destroy(self) -> None:
@@ -91,6 +96,7 @@ class Collective:
         return not dist.is_initialized() or dist.get_world_size(group) == 1
 
     # -- collectives ------------------------------------------------------------------------------
+    @guarded("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", group: Any = None,
                    async_op: bool = False) -> Any:
         """Reduce ``tensor`` in place across the group."""
@@ -98,6 +104,7 @@ class Collective:
             return None
         return dist.all_reduce(tensor, op=_reduce_op(op), group=group, async_op=async_op)
 
+    @guarded("all_gather")
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group: Any = None,
                    async_op: bool = False) -> Any:
         """Gather ``tensor`` from every rank into ``output`` (``world_size`` times larger on dim 0)."""
@@ -106,6 +113,7 @@ class Collective:
             return None
         return _all_gather_single(output, tensor, group=group, async_op=async_op)
 
+    @guarded("reduce_scatter")
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum",
                        group: Any = None, async_op: bool = False) -> Any:
         """Reduce ``tensor`` across ranks and keep this rank's 1/world_size slice of dim 0 in ``output``."""
@@ -114,11 +122,13 @@ class Collective:
             return None
         return _reduce_scatter_single(output, tensor, op=_reduce_op(op), group=group, async_op=async_op)
 
+    @guarded("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False) -> Any:
         if self._single(group):
             return None
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
+    @guarded("all_to_all")
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor,
                    output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None,
@@ -134,6 +144,7 @@ class Collective:
             group=group, async_op=async_op,
         )
 
+    @guarded("exchange_splits")
     def exchange_splits(self, input_split_sizes: Sequence[int], group: Any = None) -> list[int]:
         """Tell every peer how many rows it gets from this rank; return how many this rank gets from each.
 
@@ -167,6 +178,7 @@ class Collective:
         self.all_to_all(output, tensor.contiguous(), out_splits, list(input_split_sizes), group=group)
         return output, out_splits
 
+    @guarded("barrier")
     def barrier(self, group: Any = None) -> None:
         if self._single(group):
             return
@@ -175,9 +187,11 @@ class Collective:
         else:
             dist.barrier(group=group, device_ids=[self.device.current_device().index or 0])
 
+    @guarded("send")
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None) -> None:
         dist.send(tensor, dst=dst, group=group)
 
+    @guarded("recv")
     def recv(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
         dist.recv(tensor, src=src, group=group)
 
@@ -187,6 +201,7 @@ class Collective:
     def irecv(self, tensor: torch.Tensor, src: int, group: Any = None) -> Any:
         return dist.irecv(tensor, src=src, group=group)
 
+    @guarded("all_gather_object")
     def all_gather_object(self, obj: Any, group: Any = None) -> list[Any]:
         """Gather a small picklable object from every rank (uses torch's object collectives)."""
         if self._single(group):

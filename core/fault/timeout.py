@@ -1,0 +1,62 @@
+"""Collectives that fail with one clear line naming the operation, the rank and the timeout.
+
+A dead or hung peer makes a torch.distributed call raise a backend error after the process group's timeout
+(gloo: "Timed out waiting ... for recv", "Connection closed by peer"). :func:`guard` turns it into a
+:class:`~crosstrain.errors.CollectiveError` that says which collective, on which rank, after how long.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from crosstrain.errors import CollectiveError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _seconds(timeout: float | datetime.timedelta | None) -> float | None:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return timeout
+
+
+@contextmanager
+def guard(op: str, rank: int, timeout: float | datetime.timedelta | None = None) -> Iterator[None]:
+    """Re-raise backend failures inside the block as :class:`CollectiveError` naming ``op`` and ``rank``."""
+    start = time.monotonic()
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:  # DistBackendError / DistNetworkError are RuntimeErrors
+        elapsed = time.monotonic() - start
+        limit = _seconds(timeout)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if len(first) > 200:
+            first = first[:200] + "..."
+        peer = any(w in first.lower() for w in ("timed out", "timeout", "connection", "closed", "reset", "peer"))
+        raise CollectiveError(
+            f"collective {op} on rank {rank} failed after {elapsed:.1f}s"
+            + (f" (timeout {limit:g}s)" if limit is not None else "")
+            + f": {first}"
+            + (" -- a peer process probably died or hung; check the other ranks' logs" if peer else "")
+        ) from exc
+
+
+def guarded(op: str) -> Callable[[F], F]:
+    """Decorate a ``Collective`` method so backend failures raise :class:`CollectiveError` (see :func:`guard`)."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with guard(op, getattr(self, "rank", -1), getattr(self, "timeout", None)):
+                return fn(self, *args, **kwargs)
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
