@@ -215,6 +215,8 @@ def test_context_too_long_is_one_line_error(exported: dict, capsys: pytest.Captu
     assert rc != 0
     line = _one_line_error(capsys)
     assert re.search(r"264 exceeds the model's max_seq_len 256", line)
+    assert main(["generate", str(exported["onnx"]), "--prompt", "", "--max-new-tokens", "4"]) != 0
+    assert "the prompt is empty" in _one_line_error(capsys)
 
 
 def test_parity_failure_writes_nothing_and_backend_kernels_never_leak(

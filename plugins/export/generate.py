@@ -146,6 +146,8 @@ def generate(
 ) -> list[list[int]]:
     """Generate ``max_new_tokens`` after each prompt (equal-length prompts form one batch); returns new tokens."""
     sampling = sampling or Sampling()
+    if not prompt or not all(len(r) if isinstance(r, list) else True for r in prompt):
+        raise ExportError("the prompt is empty; give at least one token")
     rows = [prompt] if prompt and isinstance(prompt[0], int) else prompt
     if not rows or len({len(r) for r in rows}) != 1:  # type: ignore[arg-type]
         raise ExportError("prompts in one batch must have the same length")
