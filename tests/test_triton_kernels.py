@@ -289,3 +289,17 @@ def test_linear_cross_entropy_grad_for_one_input_only():
             assert (x.grad is None) == (xr.grad is None)
             if x.grad is not None:
                 torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_cross_entropy_under_autocast_keeps_input_dtype():
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(5, 16, generator=g, requires_grad=True)
+    w = (torch.randn(30, 16, generator=g) * 0.3).requires_grad_()
+    t = torch.randint(0, 30, (5,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = triton_op("linear_cross_entropy")(h, w, t)
+    loss.backward()
+    hr, wr = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    reference.linear_cross_entropy(hr, wr, t).backward()  # fp32, outside autocast
+    torch.testing.assert_close(h.grad, hr.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-5, rtol=1e-5)

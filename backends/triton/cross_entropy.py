@@ -146,19 +146,32 @@ def _lce_forward(
     grad_weight = (
         torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad and need_weight else None
     )
-    for start in range(0, n, chunk):
-        h_c = hidden[start : start + chunk]
-        t_c = targets[start : start + chunk]
-        logits = h_c @ weight.t()
-        loss, lse = _row_losses(logits, t_c, ignore_index)
-        total += loss.sum()
-        if need_grad:
-            _grad_logits(logits, t_c, lse, scale, ignore_index, logits)  # in place: logits -> d loss / d logits
-            if grad_hidden is not None:
-                torch.matmul(logits, weight, out=grad_hidden[start : start + chunk])
-            if grad_weight is not None:
-                grad_weight += logits.t() @ h_c
+    # Matmuls run in the inputs' dtype: autocast must not recast them (nor reject the out= buffer).
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, n, chunk):
+            _lce_chunk(hidden, weight, targets, start, chunk, ignore_index, scale, total, grad_hidden, grad_weight,
+                       need_grad)
     return total / n_valid, grad_hidden, grad_weight
+
+
+def _lce_chunk(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, start: int, chunk: int, ignore_index: int,
+    scale: torch.Tensor, total: torch.Tensor, grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
+    need_grad: bool,
+) -> None:
+    """One chunk of rows: add its loss to ``total``; fold its logits gradient into the gradient buffers."""
+    h_c = hidden[start : start + chunk]
+    t_c = targets[start : start + chunk]
+    logits = h_c @ weight.t()
+    loss, lse = _row_losses(logits, t_c, ignore_index)
+    total += loss.sum()
+    if not need_grad:
+        return
+    _grad_logits(logits, t_c, lse, scale, ignore_index, logits)  # in place: logits -> d loss / d logits
+    if grad_hidden is not None:
+        torch.matmul(logits, weight, out=grad_hidden[start : start + chunk])
+    if grad_weight is not None:
+        grad_weight += logits.t() @ h_c
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
