@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from crosstrain.plugins.export.errors import ExportError
-
-log = logging.getLogger("crosstrain.plugins.export")
 
 #: Attributes of the training context that may hold the (parallelised) model, most specific first.
 _MODEL_ATTRS = ("parallel_model", "pmodel", "model")
@@ -88,7 +83,5 @@ def export_after_train(context: Any, run_dir: str) -> dict[str, Any] | None:
         report["onnx"] = result.to_dict()
         for line in result.lines():
             print(f"export: {line}", flush=True)
-    if not report:
-        raise ExportError("nothing to export")
     (out_dir / "export.json").write_text(json.dumps(report, indent=2))
     return report

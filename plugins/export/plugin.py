@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 import crosstrain
-
-log = logging.getLogger("crosstrain.plugins.export")
 
 
 class ExportSection(BaseModel):
