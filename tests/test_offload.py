@@ -146,3 +146,60 @@ def test_trainer_with_offload_matches_on_device_optimizer_and_resumes_exactly(tm
     assert second["steps_this_run"] == 4
     assert second["losses"] == offload["losses"][4:]
     assert second["params_sha256"] == offload["params_sha256"]
+
+
+def _fsdp_offload_save_and_reload(collective, folder: str) -> dict:
+    from crosstrain.checkpoint.app_state import ModelOptimizerState
+    from crosstrain.checkpoint.manager import CheckpointManager
+    from crosstrain.models.gpt import build_gpt
+    from crosstrain.parallel import ParallelDims, build_mesh, dp_rank_and_size, parallelize
+
+    dims = ParallelDims(world_size=collective.world_size, dp_shard=2).resolve()
+    mesh = build_mesh(collective, dims)
+    dp_rank, dp_size = dp_rank_and_size(mesh, dims)
+
+    def build(seed: int, offload: bool):
+        torch.manual_seed(seed)
+        pm = parallelize(build_gpt("tiny"), dims, mesh, torch.device("cpu"), precision="fp32")
+        params = list(pm.parameters())
+        opt = (OffloadOptimizer(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1) if offload
+               else torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1))
+        return pm, opt
+
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 256, (4, 17), generator=g) for _ in range(6)]
+
+    def steps(pm, opt, chunk):
+        losses = []
+        for tokens in chunk:
+            x, y = tokens[:, :-1], tokens[:, 1:]
+            opt.zero_grad(set_to_none=True)
+            loss, _ = pm.forward_backward(x[dp_rank * 2:(dp_rank + 1) * 2].contiguous(),
+                                          y[dp_rank * 2:(dp_rank + 1) * 2].contiguous())
+            opt.step()
+            losses.append(float(loss))
+        return losses
+
+    ref = steps(*build(0, False), batches)
+    pm, opt = build(0, True)
+    before = steps(pm, opt, batches[:3])
+    mgr = CheckpointManager(folder, collective=collective)
+    mgr.save(3, {"app": ModelOptimizerState(pm.module, opt)})
+    mgr.wait()
+    after = steps(pm, opt, batches[3:])
+    pm2, opt2 = build(1, True)  # different init: everything must come from the checkpoint
+    assert mgr.load(mgr.latest(), {"app": ModelOptimizerState(pm2.module, opt2)}) == 3
+    mgr.close()
+    resumed = steps(pm2, opt2, batches[3:])
+    local = {n: float(t.norm()) for n, t in ((k, s["exp_avg"]) for k, s in enumerate(opt2.state.values()))}
+    return {"ref": ref, "offload": before + after, "resumed": resumed, "norms": local}
+
+
+def test_fsdp_offload_matches_adamw_and_checkpoints_each_ranks_shard(tmp_path):
+    from crosstrain.testing.multiprocess import run_ranks
+
+    results = run_ranks(_fsdp_offload_save_and_reload, 2, str(tmp_path / "ckpt"), timeout=300)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["offload"]), torch.tensor(r["ref"]), rtol=1e-5, atol=1e-5)
+        assert r["resumed"] == r["offload"][3:]
+    assert results[0]["norms"] != results[1]["norms"]  # each rank restored its own shard of the states

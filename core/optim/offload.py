@@ -21,7 +21,6 @@ import torch
 
 from crosstrain.errors import ConfigError
 from crosstrain.kernels import registry
-from crosstrain.optim.host_state import restore_fp32_state
 
 log = logging.getLogger("crosstrain.optim")
 
@@ -255,17 +254,57 @@ class OffloadOptimizer(torch.optim.Optimizer):
                           weight_decay=group["weight_decay"], nesterov=group["nesterov"], first_step=step == 1)
 
     # ------------------------------------------------------------------ state and accounting
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout; states of DTensor parameters become DTensors with the parameter's placements.
+
+        The host tensors are wrapped, not copied, so distributed checkpointing (DCP) saves and loads each
+        rank's own shard (a plain tensor would be taken as replicated: rank 0's shard for everyone).
+        """
+        sd = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, p in enumerate(params):
+            entry = sd["state"].get(index)
+            mesh = getattr(p, "device_mesh", None)
+            if entry is None or mesh is None:
+                continue
+            from torch.distributed.tensor import DTensor
+
+            entry = sd["state"][index] = dict(entry)  # never alter the live state dict
+            for key, value in entry.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.shape == _local(p).shape:
+                    entry[key] = DTensor.from_local(value, mesh, p.placements, run_check=False, shape=p.shape,
+                                                    stride=p.stride())
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-
-        def place(p: torch.Tensor, fp32: torch.Tensor) -> torch.Tensor:
-            return self._pin(fp32) if self._staged(p) and _local(p).dtype == torch.float32 else fp32
-
-        restore_fp32_state(self, state_dict, ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
-                                              "momentum_buffer"), place)
-        for state in self.state.values():  # "step" may be shared with the source optimizer's tensor
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].detach().to(_HOST, torch.float32, copy=True)
+        """Load into the host state in place (fp32, pinned buffers kept); nothing is moved to the device."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)
+        ):
+            raise ConfigError("the optimizer state does not match the parameters (different model or "
+                              "optimizer layout); load a checkpoint of this configuration")
+        by_id = {pid: p for saved, group in zip(saved_groups, self.param_groups)
+                 for pid, p in zip(saved["params"], group["params"])}
+        for pid, entry in state_dict["state"].items():
+            p = by_id[pid]
+            state = self.state[p]
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    state[key] = value
+                    continue
+                value = _local(value).detach()
+                if key == "step":
+                    state[key] = value.to(_HOST, torch.float32, copy=True)
+                elif isinstance(state.get(key), torch.Tensor) and state[key].shape == value.shape:
+                    if state[key].data_ptr() != value.data_ptr():
+                        state[key].copy_(value)
+                else:
+                    state[key] = self._host_fp32(p, value.reshape(_local(p).shape),
+                                                 pin=key == "master" and self._staged(p)
+                                                 and _local(p).dtype == torch.float32)
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of host state, of pinned staging buffers, and of device memory an on-device optimizer needs.
