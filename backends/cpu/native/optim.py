@@ -45,6 +45,9 @@ class _FusedBase(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
+                if getattr(p, "device_mesh", None) is not None:
+                    raise KernelError(f"{type(self).__name__} does not take DTensor (FSDP/TP) parameters; use "
+                                      "crosstrain.optim.offload.OffloadOptimizer or torch.optim")
                 if p.dtype not in _PARAM_DTYPES:
                     dtype = str(p.dtype).replace("torch.", "")
                     raise KernelError(f"{type(self).__name__} takes fp32/bf16/fp16 parameters, got {dtype}; "
