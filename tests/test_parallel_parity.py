@@ -192,7 +192,7 @@ def _check(result: dict[str, Any], reference: dict[str, Any]) -> None:
     assert sorted(state) == sorted(want)
     for name, tensor in want.items():
         assert state[name].dtype == torch.float32 and state[name].device.type == "cpu"
-        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=2e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_reference_learns(reference):
