@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -36,10 +35,8 @@ def load_consolidated(path: str | os.PathLike[str], *, check: bool = True) -> di
             tensors[fqn] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     if not tensors:
         raise CheckpointError(f"checkpoint {folder} has no model tensors under {prefix!r}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        call_dcp(f"loading {folder}", dcp.load, tensors, storage_reader=SafeFileSystemReader(folder),
-                 planner=SafeLoadPlanner(), no_dist=True)
+    call_dcp(f"loading {folder}", dcp.load, tensors, storage_reader=SafeFileSystemReader(folder),
+             planner=SafeLoadPlanner(), no_dist=True)
     return {fqn[len(prefix):]: t for fqn, t in tensors.items()}
 
 

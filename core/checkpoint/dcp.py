@@ -38,9 +38,14 @@ from crosstrain.checkpoint.safe_io import (
     SafeLoadPlanner,
     call_dcp,
     read_metadata,
+    without_zip_crc32,
 )
 from crosstrain.checkpoint.tree import TENSOR_TAG, flatten, unflatten
 from crosstrain.errors import CheckpointError
+
+# DCP's note when used without a process group (our single-process mode is intentional). A global filter,
+# not catch_warnings(), because saves also run on a background thread and catch_warnings is not thread-safe.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointWarning(UserWarning):
@@ -148,8 +153,7 @@ class DCPCheckpointer(Checkpointer):
             dist.barrier(group=group)
         writer = HashingFileSystemWriter(tmp, thread_count=self.thread_count)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # DCP's notes about overwrite defaults and no_dist
+            with without_zip_crc32():
                 call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,
                          no_dist=not distributed)
         finally:
@@ -243,10 +247,8 @@ class DCPCheckpointer(Checkpointer):
                     dcp_sd[p] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
             pending.append((key, obj, skeleton))
         distributed = dist.is_initialized() and world > 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DCP's note about loading without a process group
-            call_dcp(f"loading {folder}", dcp.load, dcp_sd, storage_reader=SafeFileSystemReader(folder),
-                     planner=SafeLoadPlanner(), process_group=group, no_dist=not distributed)
+        call_dcp(f"loading {folder}", dcp.load, dcp_sd, storage_reader=SafeFileSystemReader(folder),
+                 planner=SafeLoadPlanner(), process_group=group, no_dist=not distributed)
         for key, obj, skeleton in pending:
             tree = unflatten(skeleton, dcp_sd)
             if _is_stateful(obj):

@@ -230,6 +230,28 @@ class HashingFileSystem(FileSystem):
         self._pool.shutdown(wait=False)
 
 
+_crc_lock = threading.Lock()
+_crc_users = 0
+
+
+@contextmanager
+def without_zip_crc32() -> Generator[None, None, None]:
+    """Skip torch.save's per-record CRC32 while our writer runs: every file gets a SHA-256 in the manifest
+    anyway, and the CRC pass costs as much CPU as the write itself. (torch.load ignores the missing CRCs.)"""
+    global _crc_users
+    with _crc_lock:
+        if _crc_users == 0:
+            torch.serialization.set_crc32_options(False)
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users -= 1
+            if _crc_users == 0:
+                torch.serialization.set_crc32_options(True)
+
+
 class HashingFileSystemWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` (fsync on, one file per rank and thread) that records file hashes."""
 
