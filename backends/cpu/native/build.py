@@ -67,6 +67,14 @@ def _compiles(flags: list[str], source: str = "int main() { return 0; }\n") -> b
     return True
 
 
+#: the per-file instruction-set switch the AVX2 / AVX-512 sources rely on
+_SIMD_PROBE = """#include <immintrin.h>
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+__m512 twice(__m512 a) { return _mm512_add_ps(a, a); }
+int main() { return 0; }
+"""
+
+
 def ext_modules() -> list[Extension]:
     """The native extension, or ``[]`` when it cannot be built here (reported at run time instead)."""
     if os.environ.get("CROSSTRAIN_NO_NATIVE", "").strip() not in ("", "0"):
@@ -89,10 +97,13 @@ def ext_modules() -> list[Extension]:
         _warn("the C++ compiler has no OpenMP; the native optimizer kernels will run on one thread")
     sources = ["module.cpp", "isa_generic.cpp"]
     macros: list[tuple[str, str | None]] = []
-    if _is_x86():
+    if _is_x86() and _compiles([], _SIMD_PROBE):
         sources += ["isa_avx2.cpp", "isa_avx512.cpp"]
         macros.append(("CROSSTRAIN_X86", "1"))
-    compile_args = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"]
+    elif _is_x86():
+        _warn("the C++ compiler cannot target AVX2/AVX-512 per file; building the portable kernels only")
+    compile_args = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
+                    "-Wno-maybe-uninitialized"]  # GCC 12 false positives inside avx512fintrin.h
     link_args: list[str] = []
     if openmp:
         compile_args.append("-fopenmp")
