@@ -103,3 +103,52 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path) -> None:
     assert final["steps"] == stopped + 2 and final["steps_this_run"] == 2
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, stopped + 3))
+
+
+CRASH_MODEL = '''
+import os
+from crosstrain.models.gpt import GPT, GPTConfig
+
+
+class CrashOnce(GPT):
+    """Rank 1 dies (exit 17) on its 5th forward unless the marker file exists; otherwise a plain GPT."""
+
+    calls = 0
+
+    def forward(self, tokens):
+        CrashOnce.calls += 1
+        marker = os.environ["CRASH_MARKER"]
+        if CrashOnce.calls == 5 and os.environ.get("RANK") == "1" and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(17)
+        return super().forward(tokens)
+
+
+def build(section):
+    return CrashOnce(GPTConfig(dim=32, n_layers=1, n_heads=2, max_seq_len=64))
+'''
+
+
+def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path) -> None:
+    (tmp_path / "crashmodel.py").write_text(CRASH_MODEL)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    env["CRASH_MARKER"] = str(tmp_path / "crashed")
+    run_dir = tmp_path / "run"
+    opts = [*TINY, "train.steps=8", "model.import_path=crashmodel:build", "parallel.dp_replicate=2",
+            "checkpoint.every=2", "logging.progress=plain"]
+    proc = subprocess.run([sys.executable, "-m", "crosstrain", "train", "--nproc", "2", "--max-restarts", "1",
+                           *_sets(opts), "--run-dir", str(run_dir)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "crashed").exists()  # the first attempt really died
+    assert "resumed from" in proc.stderr and "at step 4" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["steps_this_run"] == 4
+    # without restarts allowed the same crash is reported with the worker's exit code
+    env["CRASH_MARKER"] = str(tmp_path / "crashed-again")
+    failed = subprocess.run([sys.executable, "-m", "crosstrain", "train", "--nproc", "2", *_sets(opts),
+                             "--run-dir", str(tmp_path / "run2")], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert failed.returncode == 17
+    assert "crosstrain: error: worker rank 1 failed with exit code 17" in failed.stderr
