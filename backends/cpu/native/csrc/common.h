@@ -26,6 +26,7 @@ struct AdamArgs {
   float grad_scale;
   bool scale_grad;
   bool maximize;
+  int64_t prefetch;    // software prefetch distance in elements (0 = none)
 };
 
 struct SgdArgs {

@@ -182,6 +182,21 @@ static inline void adam_one(const AdamArgs& a, int64_t i) {
 template <int G, int O, bool AMS>
 static void adam_range(const AdamArgs& a, int64_t begin, int64_t end) {
   int64_t i = begin;
+#if defined(CT_AVX2) || defined(CT_AVX512)
+  if (a.prefetch > 0) {
+    // one 64-byte line per fp32 array every 16 elements, a.prefetch elements ahead
+    for (; i + 16 <= end; i += 16) {
+      const int64_t j = i + a.prefetch;
+      if (j < end) {
+        _mm_prefetch(reinterpret_cast<const char*>(a.p + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a.m + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a.v + j), _MM_HINT_T0);
+        _mm_prefetch(static_cast<const char*>(a.g) + j * (G == kF32 ? 4 : 2), _MM_HINT_T0);
+      }
+      for (int k = 0; k < 16; k += Wide::W) adam_one<Wide, G, O, AMS>(a, i + k);
+    }
+  }
+#endif
   for (; i + Wide::W <= end; i += Wide::W) adam_one<Wide, G, O, AMS>(a, i);
   for (; i < end; ++i) adam_one<Scalar, G, O, AMS>(a, i);
 }
