@@ -104,6 +104,8 @@ def test_parallelize_rejects_bad_options():
                     "parallel.pp_schedule='zb'")
     _one_line_error(lambda: parallelize(build_gpt("tiny"), dims, None, torch.device("cpu"),
                                         activation_checkpoint="every:0"), "every:N")
+    _one_line_error(lambda: parallelize(build_gpt("tiny"), ParallelDims(tp=2, world_size=2).resolve(), None,
+                                        torch.device("cpu"), compile=True), "parallel.compile", "parallel.tp")
     _one_line_error(lambda: parallelize(torch.nn.Linear(4, 4), dims, None, torch.device("cpu"),
                                         activation_checkpoint="full"), "`layers` ModuleDict")
 

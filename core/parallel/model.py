@@ -222,6 +222,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
     cfg = getattr(model, "config", None)
     if cfg is not None:
         dims.validate_model(cfg)
+    if compile and dims.tp > 1:
+        # Observed with torch 2.13 (aot_eager and inductor): the backward of DTensor's redistribution inside a
+        # compiled TP block receives a plain tensor and fails at the first step.
+        raise ConfigError("parallel.compile with parallel.tp > 1 fails in this torch build; set compile=false or tp=1")
     world = 1 if mesh is None else mesh.size()
     if world != dims.dp_degree * dims.tp * dims.pp:
         raise ConfigError(f"parallel dims {dims.describe()} do not match the mesh of {world} ranks")
