@@ -28,6 +28,7 @@ LAYOUTS_2: dict[str, tuple[dict, dict, int]] = {
     "ddp_accum_ac": ({"dp_replicate": 2, "dp_shard": 1}, {"activation_checkpoint": "full"}, 2),
     "fsdp": ({"dp_shard": 2}, {}, 1),
     "fsdp_accum_ac": ({"dp_shard": 2}, {"activation_checkpoint": "every:2"}, 2),
+    "fsdp_compile_ac": ({"dp_shard": 2}, {"compile": "aot_eager", "activation_checkpoint": "every:2"}, 1),
     "tp": ({"dp_shard": 1, "tp": 2}, {}, 1),
     "pp_gpipe": ({"dp_shard": 1, "pp": 2}, {"pp_schedule": "gpipe", "pp_microbatches": 2}, 1),
     "pp_1f1b_accum": ({"dp_shard": 1, "pp": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}, 2),
