@@ -235,6 +235,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
             f"parallel.pp_schedule={pp_schedule!r} is not allowed; use one of {', '.join(ppmod.SCHEDULES)}"
         )
 
+    if dims.pp > 1 and str(pp_schedule).lower() == "1f1b" and 0 < pp_microbatches < dims.pp:
+        raise ConfigError(f"parallel.pp_schedule=1f1b needs parallel.pp_microbatches >= parallel.pp={dims.pp}, "
+                          f"got {pp_microbatches}")
     if (dims.pp > 1 or dims.tp > 1 or every or compile) and not isinstance(getattr(model, "layers", None),
                                                                           nn.ModuleDict):
         raise ConfigError(
