@@ -214,6 +214,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if buffers is None:  # a parameter added to the optimizer after construction
             self._init_state(p, next(g for g in self.param_groups if any(q is p for q in g["params"])))
             buffers = self._staging[p]
+        assert p.grad is not None
         grad = _local(p.grad)
         if buffers["grad"].dtype != grad.dtype:
             buffers["grad"] = self._pin(torch.empty(grad.shape, dtype=grad.dtype, device=_HOST))
@@ -238,6 +239,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             grad = self._staging[p]["grad"]
             out = self._staging[p].get("out")
         else:
+            assert p.grad is not None
             grad = _local(p.grad)
             local = _local(p.data)
             out = None if local.dtype == torch.float32 and local.data_ptr() == master.data_ptr() else local

@@ -65,9 +65,11 @@ class _FusedBase(torch.optim.Optimizer):
 
     @staticmethod
     def _grad(p: torch.Tensor) -> torch.Tensor:
-        if p.grad.is_sparse:
+        grad = p.grad
+        assert grad is not None
+        if grad.is_sparse:
             raise KernelError("fused optimizers do not take sparse gradients; use torch.optim.SparseAdam")
-        return p.grad
+        return grad
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
