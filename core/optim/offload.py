@@ -182,10 +182,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         staged = [(group, p) for group, p in work if self._staged(p)]
-        stream = self._copy_stream() if staged and any(_local(p).device.type != "cpu" for _, p in staged) else None
+        device = next((_local(p).device for _, p in staged if _local(p).device.type != "cpu"), None)
+        stream = self._copy_stream() if device is not None else None
         events: dict[torch.Tensor, Any] = {}
         if staged:
-            self._grads_to_host(staged, stream, events)
+            self._grads_to_host(staged, stream, events, device)
         for group, p in work:
             if p in events:
                 events[p].synchronize()
@@ -193,15 +194,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if p in self._staging:
                 self._params_to_device(p, stream)
         if stream is not None:
-            torch.accelerator.current_stream(_local(staged[0][1]).device).wait_stream(stream)
+            torch.accelerator.current_stream(device).wait_stream(stream)
         return loss
 
-    def _grads_to_host(self, staged: list, stream: Any, events: dict) -> None:
+    def _grads_to_host(self, staged: list, stream: Any, events: dict, device: torch.device | None) -> None:
         if stream is None:
             for _, p in staged:
                 self._grad_buffer(p).copy_(_local(p.grad))
             return
-        stream.wait_stream(torch.accelerator.current_stream(_local(staged[0][1]).device))
+        stream.wait_stream(torch.accelerator.current_stream(device))
         with stream:
             for _, p in staged:
                 self._grad_buffer(p).copy_(_local(p.grad), non_blocking=True)
