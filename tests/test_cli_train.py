@@ -76,10 +76,13 @@ def test_nproc2_ddp_matches_single_process(tmp_path) -> None:
 
 
 def test_sigterm_saves_and_exits_0_then_resumes(tmp_path) -> None:
+    """SIGTERM to `crosstrain train --nproc 2`: the agent forwards it, both ranks agree, finish the step, save and
+    exit 0; the run then resumes in a single process (a different layout) at the saved step."""
     run_dir = tmp_path / "run"
     opts = [*TINY, "train.steps=100000", "backend=cpu", "logging.progress=plain"]
     cmd = [sys.executable, "-m", "crosstrain", "train", *_sets(opts), "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*cmd[:4], "--nproc", "2", *cmd[4:], *_sets(["parallel.dp_replicate=2"])],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -90,17 +93,17 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path) -> None:
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
-    assert "SIGTERM received; finished step" in err and "--run-dir" in err
+    assert "SIGTERM received; finished step" in err and "the workers saved a checkpoint" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     stopped = summary["steps"]
-    assert summary["preempted"] is True and stopped >= 3
+    assert summary["preempted"] is True and summary["world_size"] == 2 and stopped >= 3
     assert (run_dir / "checkpoints" / f"step_{stopped}").is_dir()
     resumed = subprocess.run([*cmd[:-2], "--set", f"train.steps={stopped + 2}", "--run-dir", str(run_dir)],
                              env=_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped}'} at step {stopped}" in resumed.stderr
     final = json.loads((run_dir / "summary.json").read_text())
-    assert final["steps"] == stopped + 2 and final["steps_this_run"] == 2
+    assert final["steps"] == stopped + 2 and final["steps_this_run"] == 2 and final["world_size"] == 1
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, stopped + 3))
 

@@ -69,17 +69,16 @@ class _Counters:
         self.initial_loss = float(state["initial_loss"])
 
 
-class _RankState:
-    """Per-rank state: RNG and data position (wrapped in ``RankLocal`` for checkpoints)."""
+class _DataState:
+    """Data position and loss scale: the same on every rank, so saved once and restored under any layout."""
 
-    def __init__(self, rng: Any, sampler: DistributedBatchSampler, scaler: DynamicLossScaler) -> None:
-        self.rng, self.sampler, self.scaler = rng, sampler, scaler
+    def __init__(self, sampler: DistributedBatchSampler, scaler: DynamicLossScaler) -> None:
+        self.sampler, self.scaler = sampler, scaler
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.state_dict(), "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rng.load_state_dict(state["rng"])
         self.sampler.load_state_dict(state["sampler"])
         self.scaler.load_state_dict(state["scaler"])
 
@@ -210,7 +209,7 @@ class Trainer:
         )
         from crosstrain.checkpoint.app_state import RNGState
 
-        self.rank_state = _RankState(RNGState(self.device_api), self.sampler, self.scaler)
+        self.rng_state = RNGState(self.device_api)
 
         self.run_dir = agree_run_dir(self.collective, self.requested_run_dir, cfg.train.output_dir)
         if self.is_main:
@@ -261,14 +260,16 @@ class Trainer:
                                              collective=self.collective)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint holds: model + optimizer (resharding), schedule, counters, per-rank state, extras."""
+        """What a checkpoint holds: model + optimizer (resharding), schedule, counters, data position and loss
+        scale, per-rank RNG (``RankLocal``) and the extras plugins return from ``crosstrain_checkpoint_state``."""
         from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal
 
         state: dict[str, Any] = {
             "app": ModelOptimizerState(self.parallel_model.module, self.optimizer),
             "schedule": self.schedule,
             "trainer": self.counters,
-            "rank": RankLocal(self.rank_state),
+            "data": _DataState(self.sampler, self.scaler),
+            "rng": RankLocal(self.rng_state),
         }
         for plugin_name, extra in pluginmanager.call_each("crosstrain_checkpoint_state", context=self):
             for key, value in (extra or {}).items():
@@ -313,13 +314,20 @@ class Trainer:
         if self.is_main:
             print(line, file=sys.stderr, flush=True)
 
-    def _agree_stop(self) -> bool:
-        """Whether any rank got SIGTERM (one tiny all-reduce per step in multi-process runs)."""
+    def _start_stop_vote(self) -> Any:
+        """Start agreeing whether any rank got SIGTERM: a one-element async all-reduce overlapping the step."""
         if self.world_size == 1:
-            return self.preemption.requested
+            return None
         flag = torch.tensor([1.0 if self.preemption.requested else 0.0],
                             device=torch.device("cpu") if self.device.type == "cpu" else self.device)
-        self.collective.all_reduce(flag, op="max")
+        return flag, self.collective.all_reduce(flag, op="max", async_op=True)
+
+    def _finish_stop_vote(self, vote: Any) -> bool:
+        if vote is None:
+            return self.preemption.requested
+        flag, work = vote
+        if work is not None:
+            work.wait()
         return bool(flag.item() > 0)
 
     def train_step(self) -> dict[str, float]:
@@ -431,6 +439,7 @@ class Trainer:
         loop_start = time.perf_counter()
         on_step_end = bool(pluginmanager.plugin_manager().hook.crosstrain_on_step_end.get_hookimpls())
         while self.counters.step < cfg.train.steps:
+            vote = self._start_stop_vote()
             metrics = self.train_step()
             step = self.counters.step
             if step == 1 or not math.isfinite(self.counters.initial_loss):
@@ -445,7 +454,7 @@ class Trainer:
             if every and step % every == 0:
                 self._save(step)
                 last_saved = step
-            if self._agree_stop():
+            if self._finish_stop_vote(vote):
                 preempted = True
                 break
         loop_time = time.perf_counter() - loop_start

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         check_world(config, args.nproc * nnodes)  # fail fast, before any worker starts or file is written
         run_dir = args.run_dir or str(new_run_dir(config.train.output_dir))
         return launch(_worker_args(args, run_dir), nproc=args.nproc, max_restarts=args.max_restarts,
-                      nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint)
+                      nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint, run_dir=run_dir)
     from crosstrain.engine import Trainer
 
     trainer = Trainer(config, run_dir=args.run_dir)
