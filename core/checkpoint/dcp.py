@@ -98,6 +98,9 @@ class Prepared:
 class DCPCheckpointer(Checkpointer):
     """Sharded checkpoints through DCP. Every rank of ``process_group`` calls save/load with its shards."""
 
+    #: the DCP storage writer class (tests substitute one that fails, to inject storage faults)
+    writer_factory: Any = HashingFileSystemWriter
+
     def __init__(self, process_group: Any = None, *, thread_count: int = 1) -> None:
         self.group = process_group
         self.thread_count = thread_count
@@ -137,21 +140,40 @@ class DCPCheckpointer(Checkpointer):
               on_commit: Callable[[Path, Manifest], None] | None = None) -> Manifest | None:
         """Write and atomically commit ``prepared`` to ``path`` (collective over ``group``).
 
-        Rank 0 runs ``on_commit(path, manifest)`` after the rename, before the closing barrier.
-        Returns the manifest on rank 0, ``None`` elsewhere.
+        Rank 0 runs ``on_commit(path, manifest)`` after the rename. Every rank takes part in every
+        collective of the protocol even after a local failure, so a failure on any rank (here or inside DCP,
+        which exchanges its own errors) raises :class:`CheckpointError` on all ranks instead of leaving the
+        others blocked. Returns the manifest on rank 0, ``None`` elsewhere.
         """
         group = self.group if group is None else group
         rank, world = _rank_world(group)
         distributed = dist.is_initialized() and world > 1
         final = Path(path)
         tmp = final.with_name(final.name + ".tmp")
+
+        def exchange(payload: Any) -> list[Any]:
+            if not distributed:
+                return [payload]
+            out: list[Any] = [None] * world
+            dist.all_gather_object(out, payload, group=group)
+            return out
+
+        def agree(error: BaseException | None, what: str) -> None:
+            errors = exchange(None if error is None else f"{type(error).__name__}: {error}")
+            for r, e in enumerate(errors):
+                if e is not None:
+                    raise CheckpointError(f"saving {final} failed on rank {r} while {what}: {e}") from error
+
+        error: BaseException | None = None
         if rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        if distributed:
-            dist.barrier(group=group)
-        writer = HashingFileSystemWriter(tmp, thread_count=self.thread_count)
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            except OSError as exc:
+                error = exc
+        agree(error, "creating the folder")
+        writer = self.writer_factory(tmp, thread_count=self.thread_count)
         try:
             with without_zip_crc32():
                 call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,
@@ -159,29 +181,34 @@ class DCPCheckpointer(Checkpointer):
         finally:
             writer.fs.shutdown()
         files = {name: {"sha256": d, "bytes": n} for name, (d, n) in writer.digests.items()}
-        if prepared.local is not None:
-            name = f"rank{rank}.json"
-            d, n = write_durable(tmp / name, json.dumps(prepared.local, sort_keys=True).encode())
-            files[name] = {"sha256": d, "bytes": n}
-        if rank == 0:
-            d, n = write_durable(tmp / META_FILE, json.dumps(prepared.meta, sort_keys=True).encode())
-            files[META_FILE] = {"sha256": d, "bytes": n}
-        gathered: list[Any] = [files]
-        if distributed:
-            gathered = [None] * world
-            dist.all_gather_object(gathered, files, group=group)
+        try:
+            if prepared.local is not None:
+                name = f"rank{rank}.json"
+                d, n = write_durable(tmp / name, json.dumps(prepared.local, sort_keys=True).encode())
+                files[name] = {"sha256": d, "bytes": n}
+            if rank == 0:
+                d, n = write_durable(tmp / META_FILE, json.dumps(prepared.meta, sort_keys=True).encode())
+                files[META_FILE] = {"sha256": d, "bytes": n}
+        except OSError as exc:
+            error = exc
+        gathered = exchange((files, None if error is None else f"{type(error).__name__}: {error}"))
+        for r, (_, e) in enumerate(gathered):
+            if e is not None:
+                raise CheckpointError(f"saving {final} failed on rank {r} while writing JSON: {e}") from error
         manifest = None
         if rank == 0:
-            merged: dict[str, Any] = {}
-            for part in gathered:
-                merged.update(part)
-            manifest = Manifest(step=prepared.step, world_size=world, files=merged)
-            manifest.write(tmp)
-            commit_folder(tmp, final)
-            if on_commit is not None:
-                on_commit(final, manifest)
-        if distributed:
-            dist.barrier(group=group)
+            try:
+                merged: dict[str, Any] = {}
+                for part, _ in gathered:
+                    merged.update(part)
+                manifest = Manifest(step=prepared.step, world_size=world, files=merged)
+                manifest.write(tmp)
+                commit_folder(tmp, final)
+                if on_commit is not None:
+                    on_commit(final, manifest)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                error = exc
+        agree(error, "committing")
         return manifest
 
     def save(self, state: Mapping[str, Any], path: str | os.PathLike[str], *, async_save: bool = False,

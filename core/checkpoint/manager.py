@@ -163,9 +163,15 @@ class CheckpointManager:
         return bool(flags[0]), not bool(flags[1])
 
     def _raise_failed(self, local_error: BaseException | None) -> None:
+        """Every rank (after agreeing that some rank failed): raise naming the failing rank(s) and errors."""
         step = self._pending_step
         self._pending, self._pending_step = None, None
-        where = f"{type(local_error).__name__}: {local_error}" if local_error is not None else "on another rank"
+        mine = f"{type(local_error).__name__}: {local_error}" if local_error is not None else None
+        errors: list[Any] = [mine]
+        if self.distributed:
+            errors = [None] * self.world_size
+            dist.all_gather_object(errors, mine, group=self._group)
+        where = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None) or "unknown error"
         raise CheckpointError(f"background save of step {step} failed ({where}); the previous checkpoint is "
                               "still valid") from local_error
 
