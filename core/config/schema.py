@@ -19,85 +19,85 @@ class Section(BaseModel):
 
 
 class TrainConfig(Section):
-    steps: int = Field(400, ge=1, description="optimizer steps")
-    seed: int = Field(0, ge=0)
-    batch_size: int = Field(16, ge=1, description="global sequences per optimizer step (all ranks, all micro-batches)")
-    seq_len: int = Field(128, ge=2)
-    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step on each rank")
-    output_dir: str = Field("runs", description="run dirs are created as <output_dir>/<timestamp>/")
-    threads: int = Field(0, ge=0, description="host intra-op threads; 0 = auto (1 for models under 20M params "
+    steps: int = Field(default=400, ge=1, description="optimizer steps")
+    seed: int = Field(default=0, ge=0)
+    batch_size: int = Field(default=16, ge=1, description="global sequences per optimizer step")
+    seq_len: int = Field(default=128, ge=2)
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step on each rank")
+    output_dir: str = Field(default="runs", description="run dirs are created as <output_dir>/<timestamp>/")
+    threads: int = Field(default=0, ge=0, description="host intra-op threads; 0 = auto (1 for models under 20M params "
                          "unless OMP_NUM_THREADS is set, where extra threads only spin; else torch's default)")
 
 
 class ModelConfig(Section):
     preset: str = "tiny"
-    import_path: str = Field("", description='user model "pkg.module:build"; build(model_section) -> nn.Module')
-    vocab_size: int | None = Field(None, ge=2)
-    dim: int | None = Field(None, ge=1)
-    n_layers: int | None = Field(None, ge=1)
-    n_heads: int | None = Field(None, ge=1)
-    n_kv_heads: int | None = Field(None, ge=0)
-    ffn_dim: int | None = Field(None, ge=0)
-    max_seq_len: int | None = Field(None, ge=1)
+    import_path: str = Field(default="", description='user model "pkg.module:build"; build(model_section) -> nn.Module')
+    vocab_size: int | None = Field(default=None, ge=2)
+    dim: int | None = Field(default=None, ge=1)
+    n_layers: int | None = Field(default=None, ge=1)
+    n_heads: int | None = Field(default=None, ge=1)
+    n_kv_heads: int | None = Field(default=None, ge=0)
+    ffn_dim: int | None = Field(default=None, ge=0)
+    max_seq_len: int | None = Field(default=None, ge=1)
     tie_embeddings: bool | None = None
     options: dict[str, Any] = Field(default_factory=dict, description="free-form arguments for a user model")
 
 
 class DataConfig(Section):
-    path: str = Field("", description='token file from "crosstrain data prepare" ("" = the embedded corpus)')
+    path: str = Field(default="", description='token file from "crosstrain data prepare" ("" = the embedded corpus)')
     shuffle: bool = True
 
 
 class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    lr: float = Field(default=3e-3, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    momentum: float = Field(0.9, ge=0, description="SGD only")
-    grad_clip: float = Field(1.0, ge=0, description="max global grad norm (0 = no clipping)")
+    eps: float = Field(default=1e-8, gt=0)
+    momentum: float = Field(default=0.9, ge=0, description="SGD only")
+    grad_clip: float = Field(default=1.0, ge=0, description="max global grad norm (0 = no clipping)")
     offload: bool = False
 
 
 class ScheduleConfig(Section):
     name: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(20, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(default=20, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
 
 
 class ParallelConfig(Section):
-    dp_replicate: int = Field(1, ge=1)
-    dp_shard: int = Field(-1, ge=-1, description="-1 = whatever the other dims leave of the world size")
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    ep: int = Field(1, ge=1, le=1, description="reserved for the MoE plugin; must be 1")
+    dp_replicate: int = Field(default=1, ge=1)
+    dp_shard: int = Field(default=-1, ge=-1, description="-1 = whatever the other dims leave of the world size")
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1, le=1, description="reserved for the MoE plugin; must be 1")
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    pp_microbatches: int = Field(0, ge=0, description="0 = one per pipeline stage")
-    activation_checkpoint: str = Field("none", pattern=r"^(none|full|every:[1-9][0-9]*)$")
+    pp_microbatches: int = Field(default=0, ge=0, description="0 = one per pipeline stage")
+    activation_checkpoint: str = Field(default="none", pattern=r"^(none|full|every:[1-9][0-9]*)$")
     compile: bool = False
 
 
 class PrecisionConfig(Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    init_loss_scale: float = Field(2.0**16, gt=0, description="fp16 only")
-    loss_scale_growth_interval: int = Field(2000, ge=1, description="fp16 only")
+    init_loss_scale: float = Field(default=2.0**16, gt=0, description="fp16 only")
+    loss_scale_growth_interval: int = Field(default=2000, ge=1, description="fp16 only")
 
 
 class CheckpointConfig(Section):
-    every: int = Field(0, ge=0, description="save every N steps (0 = off)")
-    keep_last: int = Field(3, ge=1)
-    keep_every: int = Field(0, ge=0)
-    async_save: bool = Field(False, alias="async")
-    resume: str = Field("auto", description='"auto" (latest in the run dir), "never", or a checkpoint path')
+    every: int = Field(default=0, ge=0, description="save every N steps (0 = off)")
+    keep_last: int = Field(default=3, ge=1)
+    keep_every: int = Field(default=0, ge=0)
+    async_save: bool = Field(default=False, alias="async")
+    resume: str = Field(default="auto", description='"auto" (latest in the run dir), "never", or a checkpoint path')
 
 
 class FaultConfig(Section):
-    max_consecutive_nonfinite: int = Field(3, ge=1, description="roll back after this many skipped steps in a row")
-    collective_timeout_s: float = Field(600.0, gt=0)
+    max_consecutive_nonfinite: int = Field(default=3, ge=1, description="roll back after N skipped steps in a row")
+    collective_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class LoggingConfig(Section):
-    every: int = Field(10, ge=1, description="print a line every N steps (no TTY)")
+    every: int = Field(default=10, ge=1, description="print a line every N steps (no TTY)")
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     tensorboard: bool = True
 

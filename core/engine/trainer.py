@@ -83,6 +83,17 @@ class _DataState:
         self.scaler.load_state_dict(state["scaler"])
 
 
+def _finite_or_none(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
 def build_model(config: Config) -> torch.nn.Module:
     """The built-in GPT from ``model.preset`` (+ overrides), or ``model.import_path``'s callable."""
     if config.model.import_path:
@@ -492,11 +503,11 @@ class Trainer:
         }
         if self.is_main:
             assert self.run_dir is not None
-            text = json.dumps({k: v for k, v in self.summary.items()}, indent=2, default=str)
+            text = json.dumps(_finite_or_none(self.summary), indent=2, default=str)
             (self.run_dir / "summary.json").write_text(text + "\n")
         self.metrics.close()
         if preempted:
-            where = f"saved a checkpoint in {self.run_dir / 'checkpoints'}" if self.checkpoints else "no checkpoint"
+            where = f"saved a checkpoint in {self.run_dir}/checkpoints" if self.checkpoints else "no checkpoint"
             self._log(f"crosstrain: {self.preemption.signal_name or 'SIGTERM'} received; finished step {step}, "
                       f"{where}; exiting. Resume with: crosstrain train ... --run-dir {self.run_dir}")
         for _ in pluginmanager.call_each("crosstrain_after_train", context=self, run_dir=str(self.run_dir)):

@@ -12,7 +12,8 @@ from crosstrain.errors import ConfigError
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
     """Two groups: tensors with >= 2 dims get ``weight_decay``, vectors (norm weights, biases) get none."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in params:
         if not p.requires_grad:
             continue
