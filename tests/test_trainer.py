@@ -246,3 +246,69 @@ def test_world_size_errors_write_nothing(tmp_path) -> None:
     with pytest.raises(ConfigError, match="checkpoint.resume"):
         Trainer(_config(tmp_path, "checkpoint.resume=/nonexistent/ckpt")).fit()
     assert not (tmp_path / "runs").exists()
+
+
+def _fsdp_twice(collective, opts: list[str], out: str) -> list[dict]:
+    results = []
+    for i in range(2):
+        s = Trainer(load_config(None, opts), run_dir=f"{out}/run{i}").fit()
+        results.append({"losses": s["losses"], "sha": s["params_sha256"], "mesh": s["mesh"]})
+    return results
+
+
+def test_fsdp_two_ranks_is_deterministic_and_matches_single_process(tmp_path) -> None:
+    from crosstrain.testing.multiprocess import run_ranks
+
+    opts = [*SMALL, "train.steps=6", "parallel.dp_shard=2"]
+    rank0, rank1 = run_ranks(_fsdp_twice, 2, opts, str(tmp_path / "fsdp"), timeout=300)
+    first, second = rank0
+    assert first["mesh"]["dp_shard"] == 2
+    assert first["sha"] == second["sha"] == rank1[0]["sha"]  # same layout and seed: identical parameters
+    assert first["losses"] == second["losses"] == rank1[0]["losses"]
+    single = Trainer(load_config(None, [*SMALL, "train.steps=6"]), run_dir=tmp_path / "single").fit()
+    for a, b in zip(single["losses"], first["losses"]):
+        assert abs(a - b) <= 1e-4 * abs(a)
+
+
+def test_schedules_and_optimizer_groups() -> None:
+    from crosstrain.config.schema import OptimConfig, ScheduleConfig
+    from crosstrain.optim.factory import build_optimizer
+    from crosstrain.optim.schedules import build_schedule, lr_factor
+
+    kw = {"total_steps": 110, "warmup_steps": 10, "min_lr_ratio": 0.1}
+    assert [lr_factor(s, name="cosine", **kw) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert lr_factor(10, name="cosine", **kw) == pytest.approx(1.0)
+    assert lr_factor(60, name="cosine", **kw) == pytest.approx(0.55)
+    assert lr_factor(110, name="cosine", **kw) == pytest.approx(0.1)
+    assert lr_factor(60, name="linear", **kw) == pytest.approx(0.55)
+    assert lr_factor(35, name="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.75)
+    assert lr_factor(80, name="constant", **kw) == 1.0
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model.parameters(), OptimConfig(lr=0.5, weight_decay=0.2), None)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 3]  # weight matrix vs biases/norm
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]
+    sched = build_schedule(opt, ScheduleConfig(name="linear", warmup_steps=2, min_lr_ratio=0.0), 4)
+    lrs = []
+    for _ in range(4):
+        lrs.append(sched.lr)
+        sched.step()
+    assert lrs == pytest.approx([0.25, 0.5, 0.5, 0.25])
+    sched.load_state_dict({"step": 1})
+    assert sched.lr == pytest.approx(0.5) and sched.state_dict() == {"step": 1}
+    sgd = build_optimizer(model.parameters(), OptimConfig(name="sgd", lr=0.1, momentum=0.5), None)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.5
+
+
+def test_console_line_and_jsonl_non_finite(tmp_path) -> None:
+    from crosstrain.engine.metrics import JsonlSink, format_line
+
+    line = format_line(3, 10, {"loss": 2.5, "lr": 1e-3, "tokens_per_s": 1234.0, "mfu": 0.05, "step_time_s": 0.1,
+                               "time_data_s": 0.001, "time_forward_s": 0.04, "peak_memory_bytes": 2**30,
+                               "skipped": 1.0})
+    assert line.startswith("step 3/10 | loss 2.5000 | lr 1.0e-03 | 1,234 tok/s | mfu 5.0% | 100 ms (data 1 forward 40)")
+    assert "mem 1,024 MB" in line and "SKIPPED" in line
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write(1, {"loss": float("nan"), "grad_norm": float("inf")})
+    sink.close()
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 1, "loss": "nan", "grad_norm": "inf"}
