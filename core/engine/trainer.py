@@ -298,7 +298,6 @@ class Trainer:
             return
         step = self.checkpoints.load(target, self.checkpoint_state())
         self.counters.step = int(step)
-        self.schedule.load_state_dict({"step": self.counters.step})
         self._log(f"crosstrain: resumed from {getattr(target, 'path', target)} at step {self.counters.step}")
 
     def _setup_metrics(self) -> None:
@@ -413,11 +412,12 @@ class Trainer:
                 "and there is no checkpoint to roll back to; lower optim.lr or set checkpoint.every"
             )
         step, sampler_state, counters = self.step, self.sampler.state_dict(), self.counters.state_dict()
+        schedule_state = self.schedule.state_dict()
         restored = self.checkpoints.load(info, self.checkpoint_state())
         self.sampler.load_state_dict(sampler_state)  # keep going on new data past the bad batches
         self.counters.load_state_dict(counters)
         self.counters.rollbacks += 1
-        self.schedule.load_state_dict({"step": step})
+        self.schedule.load_state_dict(schedule_state)
         self._log(f"crosstrain: {consecutive} non-finite steps in a row at step {step}; "
                   f"rolled back model and optimizer to the checkpoint of step {restored}")
         return 0
