@@ -256,15 +256,9 @@ class Trainer:
         return model
 
     def _setup_checkpoints(self) -> None:
+        from crosstrain.checkpoint.manager import CheckpointManager
+
         cfg = self.config.checkpoint
-        try:
-            from crosstrain.checkpoint.manager import CheckpointManager
-        except ImportError:
-            self.checkpoints = None
-            if cfg.every or cfg.resume not in ("auto", "never"):
-                raise ConfigError("checkpointing needs crosstrain.checkpoint.manager, which this build lacks; "
-                                  "set checkpoint.every=0 and checkpoint.resume='never'") from None
-            return
         assert self.run_dir is not None
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.keep_last,
                                              keep_every=cfg.keep_every, async_save=cfg.async_save,
