@@ -40,6 +40,11 @@ from crosstrain.optim.schedules import build_schedule
 #: below this many parameters ``train.threads = 0`` uses one host thread (op overhead dominates small models).
 AUTO_SINGLE_THREAD_PARAMS = 20_000_000
 
+#: multi-process runs agree on SIGTERM about this often (in seconds of training), measured after
+#: VOTE_CALIBRATION_STEPS steps; until then they vote every step.
+PREEMPT_CHECK_S = 0.5
+VOTE_CALIBRATION_STEPS = 6
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -136,6 +141,7 @@ class Trainer:
         self.metrics = MetricsHub()
         self._kernel_mode: str | None = None
         self._threads_before: int | None = None
+        self._vote_every = 1
 
     # ------------------------------------------------------------------ properties hooks rely on
     @property
@@ -318,21 +324,38 @@ class Trainer:
         if self.is_main:
             print(line, file=sys.stderr, flush=True)
 
-    def _start_stop_vote(self) -> Any:
-        """Start agreeing whether any rank got SIGTERM: a one-element async all-reduce overlapping the step."""
+    def _comm_device(self) -> torch.device:
+        return torch.device("cpu") if self.device.type == "cpu" else self.device
+
+    def _start_stop_vote(self, index: int) -> Any:
+        """Start agreeing whether any rank got SIGTERM: a one-element async all-reduce overlapping the step.
+
+        Multi-process runs vote every ``_vote_every`` steps (about every :data:`PREEMPT_CHECK_S` seconds);
+        ``False`` means "no vote this step".
+        """
         if self.world_size == 1:
             return None
-        flag = torch.tensor([1.0 if self.preemption.requested else 0.0],
-                            device=torch.device("cpu") if self.device.type == "cpu" else self.device)
+        if index % self._vote_every:
+            return False
+        flag = torch.tensor([1.0 if self.preemption.requested else 0.0], device=self._comm_device())
         return flag, self.collective.all_reduce(flag, op="max", async_op=True)
 
     def _finish_stop_vote(self, vote: Any) -> bool:
         if vote is None:
             return self.preemption.requested
+        if vote is False:
+            return False
         flag, work = vote
         if work is not None:
             work.wait()
         return bool(flag.item() > 0)
+
+    def _calibrate_vote(self, step_times: list[float]) -> None:
+        """Once, on every rank at the same step: vote about every PREEMPT_CHECK_S seconds (rank 0's step time)."""
+        median = torch.tensor([sorted(step_times)[len(step_times) // 2]], dtype=torch.float64,
+                              device=self._comm_device())
+        self.collective.broadcast(median, src=0)
+        self._vote_every = max(1, int(PREEMPT_CHECK_S / max(float(median.item()), 1e-6)))
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step (``grad_accum`` micro-batches); returns the step's metrics."""
@@ -444,7 +467,10 @@ class Trainer:
         loop_start = time.perf_counter()
         on_step_end = bool(pluginmanager.plugin_manager().hook.crosstrain_on_step_end.get_hookimpls())
         while self.counters.step < cfg.train.steps:
-            vote = self._start_stop_vote()
+            index = self.counters.step - first_step
+            if index == VOTE_CALIBRATION_STEPS and self.world_size > 1:
+                self._calibrate_vote(step_times[1:])
+            vote = self._start_stop_vote(index)
             metrics = self.train_step()
             step = self.counters.step
             if step == 1 or not math.isfinite(self.counters.initial_loss):
