@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -136,6 +138,12 @@ def test_trainer_with_offload_matches_on_device_optimizer_and_resumes_exactly(tm
     plain = Trainer(_trainer_config(tmp_path, "train.steps=8"), run_dir=tmp_path / "plain").fit()
     offload = Trainer(_trainer_config(tmp_path, "train.steps=8", "optim.offload=true"), run_dir=tmp_path / "off").fit()
     assert len(offload["losses"]) == 8 and offload["final_loss"] < offload["initial_loss"]
+    last = json.loads((tmp_path / "off" / "metrics.jsonl").read_text().splitlines()[-1])
+    from crosstrain.models.gpt import build_gpt
+
+    n_params = build_gpt("tiny").num_params()  # the default preset
+    assert last["offload_host_bytes"] == 3 * 4 * n_params  # fp32 master + two moments per parameter, on the host
+    assert last["offload_device_bytes_saved"] == 0  # on the CPU backend the parameters already live on the host
     torch.testing.assert_close(torch.tensor(offload["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-5)
     # checkpoint at step 4 (masters + states through DCP), then resume to step 8: identical to the straight run
     first = Trainer(_trainer_config(tmp_path, "train.steps=4", "optim.offload=true", "checkpoint.every=4"),

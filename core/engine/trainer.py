@@ -406,6 +406,9 @@ class Trainer:
         if self.peak_flops > 0:
             metrics["mfu"] = self.flops_per_token * tokens / step_time / (self.peak_flops * self.world_size)
         metrics["peak_memory_bytes"] = float(self.device_api.memory_stats().peak)
+        memory_report = getattr(self.optimizer, "memory_report", None)
+        if memory_report is not None:  # optimizer-state offload: host bytes and device bytes saved
+            metrics.update({k: float(v) for k, v in memory_report().items()})
         if self.scaler.enabled:
             metrics["loss_scale"] = self.scaler.scale
         if not finite:
