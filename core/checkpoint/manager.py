@@ -225,8 +225,19 @@ class CheckpointManager:
         self.wait()
         info = resolve(info_or_path)
         if not info.verified:
-            verify(info.path).raise_if_bad()
+            self._verify_together(info.path)
         return self._checkpointer.load_into(info.path, state, group=self._group)
+
+    def _verify_together(self, path: Path) -> None:
+        """Verify ``path`` with the ranks splitting the SHA-256 work; raise on every rank if any found a problem."""
+        report = verify(path, shard=(self.rank, self.world_size) if self.distributed else None)
+        problems: list[Any] = [report.problems]
+        if self.distributed:
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, report.problems, group=self._group)
+        found = sorted({p for part in problems for p in part})
+        if found:
+            raise CheckpointError(f"checkpoint {path} is not valid: {'; '.join(found)}")
 
     def close(self) -> None:
         """Wait for the in-flight save (raising if it failed) and release threads and buffers."""
