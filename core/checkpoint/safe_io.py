@@ -99,9 +99,9 @@ class SafeFileSystemReader(FileSystemReader):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         metadata = read_metadata(self.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
@@ -281,7 +281,7 @@ class HashingFileSystemWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
                          overwrite=True)
-        self.fs = HashingFileSystem()
+        self.fs: HashingFileSystem = HashingFileSystem()
 
     @property
     def digests(self) -> dict[str, tuple[str, int]]:
