@@ -100,7 +100,7 @@ def _worker_pid(launcher: int, rank: int) -> int | None:
             env = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, StopIteration, ValueError):
             continue
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(e[:20] for e in env):
+        if f"RANK={rank}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
             return int(entry.name)
     return None
 
