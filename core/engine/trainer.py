@@ -485,6 +485,8 @@ class Trainer:
             if on_step_end:
                 pluginmanager.call_each("crosstrain_on_step_end", context=self, step=step, metrics=metrics)
             self.metrics.write(step, metrics)
+            if self.checkpoints is not None:
+                self.checkpoints.check_background()  # a failed async save raises on the next step, every rank
             if every and step % every == 0:
                 self._save(step)
                 last_saved = step
