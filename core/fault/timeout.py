@@ -25,6 +25,22 @@ def _seconds(timeout: float | datetime.timedelta | None) -> float | None:
     return timeout
 
 
+def _error(op: str, rank: int, timeout: float | datetime.timedelta | None, start: float,
+           exc: BaseException) -> CollectiveError:
+    elapsed = time.monotonic() - start
+    limit = _seconds(timeout)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if len(first) > 200:
+        first = first[:200] + "..."
+    peer = any(w in first.lower() for w in ("timed out", "timeout", "connection", "closed", "reset", "peer"))
+    return CollectiveError(
+        f"collective {op} on rank {rank} failed after {elapsed:.1f}s"
+        + (f" (timeout {limit:g}s)" if limit is not None else "")
+        + f": {first}"
+        + (" -- a peer process probably died or hung; check the other ranks' logs" if peer else "")
+    )
+
+
 @contextmanager
 def guard(op: str, rank: int, timeout: float | datetime.timedelta | None = None) -> Iterator[None]:
     """Re-raise backend failures inside the block as :class:`CollectiveError` naming ``op`` and ``rank``."""
@@ -34,28 +50,25 @@ def guard(op: str, rank: int, timeout: float | datetime.timedelta | None = None)
     except CollectiveError:
         raise
     except RuntimeError as exc:  # DistBackendError / DistNetworkError are RuntimeErrors
-        elapsed = time.monotonic() - start
-        limit = _seconds(timeout)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if len(first) > 200:
-            first = first[:200] + "..."
-        peer = any(w in first.lower() for w in ("timed out", "timeout", "connection", "closed", "reset", "peer"))
-        raise CollectiveError(
-            f"collective {op} on rank {rank} failed after {elapsed:.1f}s"
-            + (f" (timeout {limit:g}s)" if limit is not None else "")
-            + f": {first}"
-            + (" -- a peer process probably died or hung; check the other ranks' logs" if peer else "")
-        ) from exc
+        raise _error(op, rank, timeout, start, exc) from exc
 
 
 def guarded(op: str) -> Callable[[F], F]:
-    """Decorate a ``Collective`` method so backend failures raise :class:`CollectiveError` (see :func:`guard`)."""
+    """Decorate a ``Collective`` method so backend failures raise :class:`CollectiveError` (see :func:`guard`).
+
+    The success path costs one ``time.monotonic()`` call; the rank is looked up only on failure.
+    """
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with guard(op, getattr(self, "rank", -1), getattr(self, "timeout", None)):
+            start = time.monotonic()
+            try:
                 return fn(self, *args, **kwargs)
+            except CollectiveError:
+                raise
+            except RuntimeError as exc:
+                raise _error(op, getattr(self, "rank", -1), getattr(self, "timeout", None), start, exc) from exc
 
         return inner  # type: ignore[return-value]
 
