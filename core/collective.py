@@ -55,6 +55,8 @@ class Collective:
         self.device = device
         self.env = env or DistEnv.from_env()
         self.timeout = datetime.timedelta(minutes=10)
+        self._default_pg: Any = None
+        self._default_single = True
 
     # -- process group ----------------------------------------------------------------------------
     def init(self, timeout: float | datetime.timedelta | None = None) -> None:
@@ -93,6 +95,14 @@ class Collective:
         return self.env.local_rank
 
     def _single(self, group: Any) -> bool:
+        """True when there is nobody to talk to (no process group, or a group of one)."""
+        if group is None:
+            # the default group's size cannot change while it exists: look it up once per process group
+            pg = dist.group.WORLD if dist.is_initialized() else None
+            if pg is not self._default_pg:
+                self._default_pg = pg
+                self._default_single = pg is None or dist.get_world_size() == 1
+            return self._default_single
         return not dist.is_initialized() or dist.get_world_size(group) == 1
 
     # -- collectives ------------------------------------------------------------------------------
