@@ -133,3 +133,14 @@ def test_elastic_restart_after_killing_one_rank(tmp_path: Path) -> None:
     summary = _summary(run_dir)
     assert summary["steps"] == steps and summary["steps_this_run"] < steps, "the job did not resume"
     assert summary["params_sha256"] == _summary(tmp_path / "ref")["params_sha256"]
+
+
+def test_pipeline_parallel_run_resumes_exactly(tmp_path):
+    """Each pipeline stage holds different modules: a pp=2 checkpoint restores every stage's own state."""
+    layout = ["--nproc", "2", "--set", "parallel.pp=2", "--set", "parallel.dp_shard=1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _run(_cmd(straight, 10, *layout))
+    _run(_cmd(resumed, 5, *layout))
+    out = _run(_cmd(resumed, 10, *layout))
+    assert "resumed from" in out.stdout + out.stderr
+    assert _summary(resumed)["params_sha256"] == _summary(straight)["params_sha256"]

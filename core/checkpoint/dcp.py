@@ -5,7 +5,7 @@ Folder layout of one checkpoint (``step_N/``)::
     __R_I.distcp     DCP tensor shards written by rank R (tensors only)
     .metadata        DCP metadata (read back through a restricted unpickler)
     meta.json        rank 0: step, world size, JSON skeleton of the global state (scalars, structure)
-    rankR.json       rank R: JSON skeleton of its RankLocal state
+    rankR.json       rank R: JSON skeletons of its RankLocal state and of its own part of the global state
     manifest.json    SHA-256 and size of every file above; written last
 
 Commit: every rank writes into ``step_N.tmp/`` (fsync per file), the per-rank file hashes are gathered to
@@ -133,7 +133,9 @@ class DCPCheckpointer(Checkpointer):
         model_keys = [k for k, kind in kinds.items() if kind == "model_optimizer"]
         meta = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "kinds": kinds,
                 "model_prefix": f"{model_keys[0]}.model." if model_keys else None, "global": skeleton}
-        local = {"rank": rank, "tree": local_skeleton[local_key(rank)]} if local_tree else None
+        # Every rank keeps its own skeleton of the global state too: under pipeline parallelism each stage holds
+        # different modules, so rank 0's skeleton does not describe the other stages.
+        local = {"rank": rank, "tree": local_skeleton[local_key(rank)] if local_tree else {}, "global": skeleton}
         return Prepared(step=int(step), tensors=tensors, meta=meta, local=local)
 
     def write(self, prepared: Prepared, path: str | os.PathLike[str], *, group: Any = None,
@@ -235,19 +237,22 @@ class DCPCheckpointer(Checkpointer):
         md = read_metadata(folder)
         saved_world = int(meta["world_size"])
         local_saved: dict[str, Any] = {}
-        if any(isinstance(o, RankLocal) for o in state.values()):
-            if saved_world != world:
-                warnings.warn(f"checkpoint {folder} was saved by {saved_world} ranks, this job has {world}: "
-                              "per-rank state (RNG, sampler) is not restored", CheckpointWarning, stacklevel=3)
-            else:
-                local_saved = _read_json(folder / f"rank{rank}.json").get("tree", {})
+        global_saved: dict[str, Any] = meta["global"]
+        rank_file = folder / f"rank{rank}.json"
+        if saved_world == world and rank_file.exists():
+            rank_meta = _read_json(rank_file)
+            local_saved = rank_meta.get("tree", {})
+            global_saved = rank_meta.get("global", global_saved)  # this rank's own layout (pipeline stages differ)
+        if saved_world != world and any(isinstance(o, RankLocal) for o in state.values()):
+            warnings.warn(f"checkpoint {folder} was saved by {saved_world} ranks, this job has {world}: "
+                          "per-rank state (RNG, sampler) is not restored", CheckpointWarning, stacklevel=3)
         dcp_sd: dict[str, torch.Tensor] = {}
         pending: list[tuple[str, Any, Any]] = []
         for key, obj in state.items():
             is_local = isinstance(obj, RankLocal)
             if is_local and saved_world != world:
                 continue
-            skeleton = (local_saved if is_local else meta["global"]).get(key)
+            skeleton = (local_saved if is_local else global_saved).get(key)
             if skeleton is None:
                 warnings.warn(f"checkpoint {folder} has no entry {key!r}; keeping its current state",
                               CheckpointWarning, stacklevel=3)
