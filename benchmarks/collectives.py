@@ -2,12 +2,13 @@
 
 For all_reduce, all_gather, reduce_scatter and all_to_all at sizes from 1 KB to 64 MB, prints algbw and busbw
 (nccl-tests definitions: algbw = bytes / time; busbw = algbw * 2(n-1)/n for all_reduce, * (n-1)/n for the others;
-bytes is the larger of the input and output buffers) for both, and their ratio. The two implementations are timed in
-alternation (ABBA order) on the same buffers, so machine noise hits both alike: the reported ratio is the median over
-repetitions of the paired ratio raw time / crosstrain time (each pair measured back to back), and the bandwidths use
-each side's fastest repetition. Last line: JSON with ``worst_ratio`` (the lowest ratio at sizes >= 1 MB).
+bytes is the larger of the input and output buffers) for both, and their ratio. The two implementations are
+timed call by call in adjacent pairs (order alternating) on the same buffers, so machine noise hits both alike: the
+reported ratio is the median over pairs of raw time / crosstrain time, and the bandwidths use each side's median
+call time. A second pass times raw torch.distributed against itself the same way (the method's noise floor).
+Last line: JSON with ``worst_ratio`` (the lowest ratio at sizes >= 1 MB).
 
-    python benchmarks/collectives.py [--world 2] [--max-mb 64] [--reps 21]
+    python benchmarks/collectives.py [--world 2] [--max-mb 64] [--reps 41]
 """
 
 from __future__ import annotations
@@ -65,17 +66,19 @@ def bench(c: Collective, sizes: list[int], reps: int, null: bool = False) -> lis
             ours, raw, nbytes = _calls(op, c, size, n)
             if null:
                 ours = _calls(op, c, size, n)[1]
-            iters = max(2, min(200, int(8e6 // max(nbytes, 1))))
             for fn in (ours, raw):  # warm up both paths
-                _timed(fn, 2)
+                _timed(fn, 3)
+            # single calls in adjacent pairs (order alternating), so each pair sees the same machine state;
+            # more pairs for small, fast messages
+            pairs = max(reps, min(10 * reps, int(4e8 // max(nbytes, 1))))
             t_ours: list[float] = []
             t_raw: list[float] = []
-            for rep in range(reps):
-                order = ((ours, t_ours), (raw, t_raw)) if rep % 2 == 0 else ((raw, t_raw), (ours, t_ours))
+            for i in range(pairs):
+                order = ((ours, t_ours), (raw, t_raw)) if i % 2 == 0 else ((raw, t_raw), (ours, t_ours))
                 for fn, sink in order:
-                    sink.append(_timed(fn, iters))
+                    sink.append(_timed(fn, 1))
             ratio = statistics.median(r / o for r, o in zip(t_raw, t_ours))
-            best_ours, best_raw = min(t_ours), min(t_raw)
+            best_ours, best_raw = statistics.median(t_ours), statistics.median(t_raw)
             alg_ours, alg_raw = nbytes / best_ours / 1e9, nbytes / best_raw / 1e9
             f = bus_factor(op, n)
             rows.append({"op": op, "bytes": nbytes, "time_us_crosstrain": best_ours * 1e6,
@@ -112,7 +115,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--min-kb", type=int, default=1)
     parser.add_argument("--max-mb", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--reps", type=int, default=41,
+                        help="minimum number of call pairs per op and size (small messages get up to 10x more)")
     parser.add_argument("--no-null", action="store_true",
                         help="skip the second pass that times raw torch.distributed against itself (noise floor)")
     args = parser.parse_args()
@@ -123,8 +127,8 @@ def main() -> None:
         size *= 4
     rows, null_rows = run_ranks(_rank_main, args.world, sizes, args.reps, not args.no_null, backend="cpu",
                                 timeout=3600)[0]
-    print_table(rows, f"gloo, {args.world} processes; GB/s at the best repetition; "
-                      "ratio = median of paired raw time / crosstrain time")
+    print_table(rows, f"gloo, {args.world} processes; GB/s from median call times; "
+                      "ratio = median over adjacent pairs of raw time / crosstrain time")
     worst, worst_row = worst_at_1mb(rows)
     big = [r["ratio"] for r in rows if r["bytes"] >= 1 << 20]
     result = {"worst_ratio": round(worst, 4), "worst_at": {"op": worst_row.get("op"), "bytes": worst_row.get("bytes")},
