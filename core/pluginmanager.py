@@ -100,6 +100,28 @@ def call_each(hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
     return results
 
 
+def call_strict(hook_name: str, what: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    """Call a hook on every plugin in registration order; a raising plugin stops the run with a PluginError.
+
+    For run-time hooks whose silent failure would change what training does (gradient transforms for secure
+    aggregation or differential privacy, extra checkpoint state, after-train exports). ``what`` completes the
+    message "plugin X failed to ...".
+    """
+    from crosstrain.errors import CrosstrainError, PluginError
+
+    caller = getattr(plugin_manager().hook, hook_name)
+    results: list[tuple[str, Any]] = []
+    for impl in reversed(caller.get_hookimpls()):
+        args = {k: kwargs[k] for k in impl.argnames}
+        try:
+            results.append((impl.plugin_name, impl.function(**args)))
+        except CrosstrainError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin {impl.plugin_name!r} failed to {what}: {type(exc).__name__}: {exc}") from exc
+    return results
+
+
 def import_module_safely(name: str) -> Any:
     """Import a module or return None, recording the failure as a plugin error."""
     try:

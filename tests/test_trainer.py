@@ -312,3 +312,28 @@ def test_console_line_and_jsonl_non_finite(tmp_path) -> None:
     sink.write(1, {"loss": float("nan"), "grad_norm": float("inf")})
     sink.close()
     assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 1, "loss": "nan", "grad_norm": "inf"}
+
+
+def test_failing_runtime_hooks_stop_the_run_naming_the_plugin(tmp_path, plugin) -> None:
+    """A gradient transform (secure aggregation, DP noise) that raises must never be skipped silently."""
+    from crosstrain.errors import PluginError
+
+    class BrokenAggregation:
+        @hookimpl
+        def crosstrain_transform_gradients(self, model, step, context):
+            if step == 2:
+                raise ConnectionError("aggregation server unreachable")
+
+    plugin(BrokenAggregation(), "secagg")
+    with pytest.raises(PluginError, match="plugin 'secagg' failed to transform the gradients: ConnectionError"):
+        Trainer(_config(tmp_path), run_dir=tmp_path / "grads").fit()
+    pluginmanager.unregister("secagg")
+
+    class BrokenExport:
+        @hookimpl
+        def crosstrain_after_train(self, context, run_dir):
+            raise ValueError("parity check failed")
+
+    plugin(BrokenExport(), "exporter")
+    with pytest.raises(PluginError, match="plugin 'exporter' failed to finish after training: ValueError"):
+        Trainer(_config(tmp_path, "train.steps=2"), run_dir=tmp_path / "after").fit()

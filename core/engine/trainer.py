@@ -248,15 +248,8 @@ class Trainer:
 
     def _transform_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Apply each plugin's ``crosstrain_transform_model`` in registration order (a failure is fatal)."""
-        hook = pluginmanager.plugin_manager().hook.crosstrain_transform_model
-        for impl in reversed(hook.get_hookimpls()):
-            try:
-                result = impl.function(model=model, config=self.config)
-            except CrosstrainError:
-                raise
-            except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} failed to transform the model: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+        for _, result in pluginmanager.call_strict("crosstrain_transform_model", "transform the model",
+                                                   model=model, config=self.config):
             if result is not None:
                 model = result
         return model
@@ -282,7 +275,8 @@ class Trainer:
             "data": _DataState(self.sampler, self.scaler),
             "rng": RankLocal(self.rng_state),
         }
-        for plugin_name, extra in pluginmanager.call_each("crosstrain_checkpoint_state", context=self):
+        for plugin_name, extra in pluginmanager.call_strict("crosstrain_checkpoint_state", "add checkpoint state",
+                                                                 context=self):
             for key, value in (extra or {}).items():
                 if key in state:
                     raise PluginError(f"plugin {plugin_name!r} checkpoint key {key!r} clashes with another key")
@@ -381,9 +375,8 @@ class Trainer:
         loss_value = float(sum(float(v) for v in losses) / ga)
         t_opt = time.perf_counter()
         next_step = self.counters.step + 1
-        for _, _ in pluginmanager.call_each("crosstrain_transform_gradients", model=pm.module, step=next_step,
-                                             context=self):
-            pass
+        pluginmanager.call_strict("crosstrain_transform_gradients", "transform the gradients", model=pm.module,
+                                  step=next_step, context=self)
         self.scaler.unscale_(self.params)
         grad_norm = float(pm.clip_grad_norm_(cfg.optim.grad_clip))  # 0: measure only
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
@@ -535,8 +528,8 @@ class Trainer:
             where = f"saved a checkpoint in {self.run_dir}/checkpoints" if self.checkpoints else "no checkpoint"
             self._log(f"crosstrain: {self.preemption.signal_name or 'SIGTERM'} received; finished step {step}, "
                       f"{where}; exiting. Resume with: crosstrain train ... --run-dir {self.run_dir}")
-        for _ in pluginmanager.call_each("crosstrain_after_train", context=self, run_dir=str(self.run_dir)):
-            pass
+        pluginmanager.call_strict("crosstrain_after_train", "finish after training", context=self,
+                                  run_dir=str(self.run_dir))
         return self.summary
 
     def teardown(self) -> None:
