@@ -182,7 +182,7 @@ def test_unknown_part_falls_back_to_a_measured_matmul(monkeypatch, clean_env):
     simulate_torch(monkeypatch, cuda="12.4", hip=None, devices=1, name="NVIDIA Future GPU")
     dev = CudaDevice()
     monkeypatch.setattr(dev, "current_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr("crosstrain.backends.cuda.device.measure_matmul_flops",
+    monkeypatch.setattr("crosstrain.backends.cuda.specs.measure_matmul_flops",
                         lambda d, dt: measure_matmul_flops(d, dt, n=128, iters=2))
     peak = dev.peak_flops(torch.float32)
     assert peak > 1e6

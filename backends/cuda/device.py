@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from crosstrain.backends.cuda.specs import NVIDIA_PARTS, PartSpec, measure_matmul_flops, peak_override, table_peak
+from crosstrain.backends.cuda.specs import NVIDIA_PARTS, PartSpec, resolve_peak_flops
 from crosstrain.device import Availability, TorchModuleDevice
 
 
@@ -81,13 +81,7 @@ class CudaDevice(TorchModuleDevice):
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Override, else the parts table by device name, else a one-off measured matmul rate."""
-        override = peak_override(dtype)
-        if override is not None:
-            return override
-        peak = table_peak(self.device_name(), dtype, self.parts)
-        if peak is not None:
-            return peak
-        return measure_matmul_flops(self.current_device(), dtype)
+        return resolve_peak_flops(self.device_name(), dtype, self.parts, self.current_device)
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()

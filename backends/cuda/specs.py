@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -128,3 +129,20 @@ def table_peak(device_name: str, dtype: torch.dtype, parts: tuple[PartSpec, ...]
     if part is None:
         return None
     return part.flops.get(DTYPE_KEYS.get(dtype, ""), 0.0)
+
+
+def resolve_peak_flops(device_name: str, dtype: torch.dtype, parts: tuple[PartSpec, ...],
+                       device: Callable[[], torch.device], *, measure_unlisted_dtype: bool = False) -> float:
+    """Peak FLOP/s for MFU: ``CROSSTRAIN_PEAK_FLOPS``, else the parts table by name, else a measured matmul rate.
+
+    A known part without a figure for ``dtype`` gives 0.0 (the part lacks it), or, with
+    ``measure_unlisted_dtype``, the measured rate (the vendor publishes no figure for it). ``device`` is called
+    only when a measurement is needed.
+    """
+    override = peak_override(dtype)
+    if override is not None:
+        return override
+    peak = table_peak(device_name, dtype, parts)
+    if peak or (peak is not None and not measure_unlisted_dtype):
+        return peak
+    return measure_matmul_flops(device(), dtype)

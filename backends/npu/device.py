@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from crosstrain.backends.cuda.specs import PartSpec, measure_matmul_flops, peak_override, table_peak
+from crosstrain.backends.cuda.specs import PartSpec, resolve_peak_flops
 from crosstrain.device import Availability, TorchModuleDevice
 
 T = 1e12
@@ -82,13 +82,9 @@ class NpuDevice(TorchModuleDevice):
         return tensor if tensor.is_pinned() else tensor.pin_memory()
 
     def peak_flops(self, dtype: torch.dtype) -> float:
-        override = peak_override(dtype)
-        if override is not None:
-            return override
-        peak = table_peak(self.device_name(), dtype, self.parts)
-        if peak:
-            return peak
-        return measure_matmul_flops(self.current_device(), dtype)
+        """Override, else the parts table by device name, else a one-off measured matmul rate."""
+        return resolve_peak_flops(self.device_name(), dtype, self.parts, self.current_device,
+                                  measure_unlisted_dtype=True)
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()

@@ -31,7 +31,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal
 from crosstrain.checkpoint.interface import Checkpointer, SaveHandle
-from crosstrain.checkpoint.manifest import FORMAT_VERSION, META_FILE, Manifest, fsync_dir, write_durable
+from crosstrain.checkpoint.manifest import (
+    FORMAT_VERSION,
+    META_FILE,
+    Manifest,
+    fsync_dir,
+    read_json_object,
+    write_durable,
+)
 from crosstrain.checkpoint.safe_io import (
     HashingFileSystemWriter,
     SafeFileSystemReader,
@@ -303,15 +310,7 @@ class DCPCheckpointer(Checkpointer):
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is unreadable: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return data
+    return read_json_object(path, missing="the checkpoint is incomplete")
 
 
 def read_meta(folder: Path) -> dict[str, Any]:

@@ -59,6 +59,19 @@ def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+def read_json_object(path: Path, *, missing: str, kind: str = "a JSON object") -> dict[str, Any]:
+    """Read a JSON object from ``path``; any problem is a one-line :class:`CheckpointError`."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {missing}") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not {kind}")
+    return data
+
+
 @dataclass
 class Manifest:
     """What a committed checkpoint folder holds."""
@@ -91,14 +104,7 @@ class Manifest:
     def read(cls, folder: str | os.PathLike[str]) -> Manifest:
         """Parse and self-check ``folder/manifest.json``; raise :class:`CheckpointError` naming the problem."""
         path = Path(folder) / MANIFEST_FILE
-        try:
-            raw = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing: the checkpoint was never committed") from None
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path} is unreadable: {exc}") from None
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path} is not a manifest")
+        raw = read_json_object(path, missing="the checkpoint was never committed", kind="a manifest")
         claimed = raw.pop("manifest_sha256", None)
         try:
             manifest = cls(step=int(raw["step"]), world_size=int(raw["world_size"]), files=dict(raw["files"]),
