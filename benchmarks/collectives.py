@@ -8,7 +8,7 @@ reported ratio is the median over pairs of raw time / crosstrain time, and the b
 call time. A second pass times raw torch.distributed against itself the same way (the method's noise floor).
 Last line: JSON with ``worst_ratio`` (the lowest ratio at sizes >= 1 MB).
 
-    python benchmarks/collectives.py [--world 2] [--max-mb 64] [--reps 41]
+    python benchmarks/collectives.py [--world 2] [--max-mb 64] [--reps 201]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def bench(c: Collective, sizes: list[int], reps: int, null: bool = False) -> lis
                 _timed(fn, 3)
             # single calls in adjacent pairs (order alternating), so each pair sees the same machine state;
             # more pairs for small, fast messages
-            pairs = max(reps, min(10 * reps, int(4e8 // max(nbytes, 1))))
+            pairs = max(reps, min(2000, int(4e8 // max(nbytes, 1))))
             t_ours: list[float] = []
             t_raw: list[float] = []
             for i in range(pairs):
@@ -115,8 +115,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--min-kb", type=int, default=1)
     parser.add_argument("--max-mb", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=41,
-                        help="minimum number of call pairs per op and size (small messages get up to 10x more)")
+    parser.add_argument("--reps", type=int, default=201,
+                        help="minimum number of call pairs per op and size (small messages get up to 2000)")
     parser.add_argument("--no-null", action="store_true",
                         help="skip the second pass that times raw torch.distributed against itself (noise floor)")
     args = parser.parse_args()
