@@ -50,12 +50,13 @@ def _evict(folder: Path) -> None:
                 os.close(fd)
 
 
-def _bench_ranks(collective: Any, size_gb: float, workdir: str, repeats: int) -> dict[str, Any]:
+def _bench_ranks(collective: Any, size_gb: float, workdir: str, repeats: int, step_s: float) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Shard
 
     from crosstrain.checkpoint.manager import CheckpointManager
+    from crosstrain.checkpoint.safe_io import start_writeback
 
     rank, world = collective.rank, collective.world_size
     mesh = collective.mesh({"dp_shard": world})
@@ -105,6 +106,17 @@ def _bench_ranks(collective: Any, size_gb: float, workdir: str, repeats: int) ->
 
     out["raw_save_s"] = best(raw_save)
 
+    def raw_writeback_save(i: int) -> None:  # the same, asking the kernel to write back as it goes
+        with open(raw_dir / f"rank{rank}.bin", "wb", buffering=0) as fh:
+            done = 0
+            for t in state.values():
+                done += fh.write(memoryview(t.to_local().numpy()).cast("B"))
+                if start_writeback is not None:
+                    start_writeback(fh.fileno(), 0, done)
+            os.fsync(fh.fileno())
+
+    out["raw_writeback_save_s"] = best(raw_writeback_save)
+
     def raw_load(i: int) -> None:
         with open(raw_dir / f"rank{rank}.bin", "rb", buffering=0) as fh:
             for t in state.values():
@@ -126,19 +138,10 @@ def _bench_ranks(collective: Any, size_gb: float, workdir: str, repeats: int) ->
                                     before=lambda i: _evict(info.path))
     for k in state:
         assert torch.equal(target[k].to_local(), state[k].to_local()), "crosstrain load mismatch"
-    # async: stall of save() in steady state (second save reuses the host buffers)
+    # async: what a training loop loses (see _stall)
     amgr = CheckpointManager(base / "async", keep_last=1, async_save=True)
-    stalls = []
-    for i in range(max(2, repeats)):
-        os.sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        amgr.save(i + 1, {"model": state})
-        stalls.append(time.perf_counter() - t0)
-        amgr.wait()
+    out.update(_stall(amgr, state, step_s))
     amgr.close()
-    out["async_stall_first_s"] = stalls[0]
-    out["async_stall_s"] = min(stalls[1:])
     mgr.close()
     clean(ck_dir)
     clean(base / "async")
@@ -174,6 +177,81 @@ def _bench_ranks(collective: Any, size_gb: float, workdir: str, repeats: int) ->
     return out
 
 
+def _stall(mgr: Any, state: dict[str, Any], step_s: float) -> dict[str, float]:
+    """Run a simulated training loop around async saves and time what the loop loses.
+
+    One step: "forward/backward" (matmuls for about ``step_s`` seconds that do not touch the state, then a
+    gradient all-reduce as in data parallelism), then ``fence()`` and ``check_background()`` where the trainer
+    calls them, then the "optimizer step" (an in-place update of every state tensor). The stall is the time
+    spent blocked inside ``save``/``fence``/``check_background``
+    from the save until it is committed; the slowdown is the loop's extra wall time over the same steps without
+    a save (which also counts the background writer competing for this machine's CPU cores).
+    """
+    import torch.distributed as dist
+
+    a, b, grads = torch.randn(256, 256), torch.randn(256, 256), torch.zeros(1 << 18)
+    locals_ = [t.to_local() for t in state.values()]
+
+    def matmuls(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, b)
+
+    t0 = time.perf_counter()
+    matmuls(50)
+    n_mm = max(1, int(step_s / ((time.perf_counter() - t0) / 50)))
+    agreed = torch.tensor([n_mm])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    n_mm = int(agreed)
+
+    def loop(save_step: int | None, stage_later: tuple[str, ...], min_steps: int) -> tuple[dict[str, float],
+                                                                                          float, int]:
+        blocked = {"save": 0.0, "fence": 0.0, "check": 0.0}
+        steps = 0
+        dist.barrier()
+        start = time.perf_counter()
+        in_flight = False
+        while steps < min_steps or in_flight:
+            matmuls(n_mm)
+            dist.all_reduce(grads)
+            t = time.perf_counter()
+            mgr.fence()
+            blocked["fence"] += time.perf_counter() - t
+            t = time.perf_counter()
+            in_flight = mgr.check_background()  # where the trainer calls it: after the gradient sync
+            blocked["check"] += time.perf_counter() - t
+            for x in locals_:
+                x.mul_(0.5).add_(1.0)
+            if save_step is not None and steps == 0:
+                t = time.perf_counter()
+                mgr.save(save_step, {"model": state}, stage_later=stage_later)
+                blocked["save"] += time.perf_counter() - t
+                in_flight = True
+            steps += 1
+        dist.barrier()
+        return blocked, time.perf_counter() - start, steps
+
+    loop(1, (), 1)  # first save: allocates the host buffers (reused afterwards)
+    mgr.wait()
+    inline, _, _ = loop(2, (), 2)
+    deferred, wall, steps = loop(3, ("model",), 2)
+    _, base_wall, base_steps = loop(None, (), steps)
+    per_step = base_wall / base_steps
+    out = {f"async_blocked_{k}_s": _slowest(v) for k, v in deferred.items()}
+    out.update({"async_stall_s": _slowest(sum(deferred.values())),
+                "async_stall_inline_s": _slowest(sum(inline.values())),
+                "async_slowdown_s": _slowest(wall - per_step * steps), "loop_step_s": per_step,
+                "async_steps": float(steps)})
+    return out
+
+
+def _slowest(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def _recovery(workdir: Path, timeout: float = 300.0) -> float:
     """Seconds from SIGKILL of a tiny-model run to the first step finished by the restarted run."""
     run_dir = workdir / "recovery_run"
@@ -207,6 +285,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=1.0, help="total state size over both ranks (GiB)")
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions per method (best is reported)")
+    parser.add_argument("--step-s", type=float, default=0.5,
+                        help="compute time of one simulated training step around the async saves (s)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     parser.add_argument("--no-recovery", action="store_true", help="skip the kill-to-resume measurement")
     args = parser.parse_args()
@@ -215,7 +295,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="ckbench-", dir=args.dir))
     try:
-        res = run_ranks(_bench_ranks, 2, args.size_gb, str(workdir), args.repeats, timeout=1800)[0]
+        res = run_ranks(_bench_ranks, 2, args.size_gb, str(workdir), args.repeats, args.step_s, timeout=1800)[0]
         recovery = None if args.no_recovery else _recovery(workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -225,14 +305,21 @@ def main() -> None:
     for name, s, lo in (("raw", "raw_save_s", "raw_load_s"), ("crosstrain", "crosstrain_save_s", "crosstrain_load_s"),
                         ("dcp", "dcp_save_s", "dcp_load_s"), ("torch.save", "torch_save_s", "torch_load_s")):
         print(f"{name:<12}{res[s]:>9.2f}{gb / res[s]:>11.3f}{res[lo]:>9.2f}{gb / res[lo]:>11.3f}")
-    print(f"async save stall: {res['async_stall_s']:.3f} s steady state ({res['async_stall_first_s']:.3f} s first, "
-          f"allocating buffers) vs {res['crosstrain_save_s']:.2f} s sync")
+    print(f"raw with early writeback (sync_file_range as it writes): {res['raw_writeback_save_s']:.2f} s")
+    print(f"async save in a loop of {res['loop_step_s']:.2f} s steps ({res['async_steps']:.0f} steps until committed):"
+          f" blocked {res['async_stall_s']:.3f} s staging during the step, {res['async_stall_inline_s']:.3f} s"
+          f" staging inside save(); loop slowdown {res['async_slowdown_s']:.3f} s; sync save"
+          f" {res['crosstrain_save_s']:.2f} s")
+    parts = (f"{k}() {res[f'async_blocked_{k}_s']:.3f} s" for k in ("save", "fence", "check"))
+    print("  blocked in: " + ", ".join(parts))
     if recovery is not None:
         print(f"recovery (SIGKILL -> first resumed step, tiny model, new process): {recovery:.2f} s")
     summary = {
-        "save_vs_raw": round(res["raw_save_s"] / res["crosstrain_save_s"], 3),
+        "save_vs_raw": round(min(res["raw_save_s"], res["raw_writeback_save_s"]) / res["crosstrain_save_s"], 3),
         "save_vs_dcp": round(res["dcp_save_s"] / res["crosstrain_save_s"], 3),
         "async_stall_fraction": round(res["async_stall_s"] / res["crosstrain_save_s"], 4),
+        "async_stall_inline_fraction": round(res["async_stall_inline_s"] / res["crosstrain_save_s"], 4),
+        "async_slowdown_fraction": round(res["async_slowdown_s"] / res["crosstrain_save_s"], 4),
         "recovery_s": round(recovery, 2) if recovery is not None else None,
         "load_vs_raw": round(res["raw_load_s"] / res["crosstrain_load_s"], 3),
         "load_vs_dcp": round(res["dcp_load_s"] / res["crosstrain_load_s"], 3),

@@ -6,6 +6,8 @@ import json
 import os
 import pickle
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,53 @@ def test_round_trip_resumes_exactly(tmp_path: Path, async_save: bool) -> None:
     assert resumed == after  # bitwise: same layout, same data
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def _slow_stager(mgr: CheckpointManager, delay_s: float, fail: bool = False) -> None:
+    """Make the background part of staging (the ``stage_later`` tensors) start late, or fail."""
+    stage = mgr._stager.stage
+    main = threading.current_thread()
+
+    def late(tensors: dict) -> dict:
+        if threading.current_thread() is not main:
+            time.sleep(delay_s)
+            if fail:
+                raise OSError("staging buffer lost")
+        return stage(tensors)
+
+    mgr._stager.stage = late
+
+
+def test_stage_later_tensors_are_copied_before_fence_returns(tmp_path: Path) -> None:
+    weights, counter = torch.arange(1 << 20, dtype=torch.float32), torch.ones(3)
+    saved_weights, saved_counter = weights.clone(), counter.clone()
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    _slow_stager(mgr, 0.3)  # without fence() the in-place update below would land first
+    t0 = time.perf_counter()
+    mgr.save(1, {"app": {"w": weights}, "other": {"c": counter}}, stage_later=("app",))
+    returned_s = time.perf_counter() - t0
+    counter.add_(1)  # not in stage_later: staged before save() returned
+    mgr.fence()
+    weights.mul_(-1)  # the optimizer step
+    mgr.close()
+    assert returned_s < 0.3  # save() did not wait for the background copy
+    out = {"app": {"w": torch.zeros_like(weights)}, "other": {"c": torch.zeros(3)}}
+    assert CheckpointManager(tmp_path).load(tmp_path / "step_1", out) == 1
+    assert torch.equal(out["app"]["w"], saved_weights) and torch.equal(out["other"]["c"], saved_counter)
+
+
+def test_failed_background_staging_releases_fence_and_raises(tmp_path: Path) -> None:
+    state = {"app": {"w": torch.ones(8)}}
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    mgr.save(1, state, stage_later=("app",))
+    mgr.wait()
+    _slow_stager(mgr, 0.05, fail=True)
+    mgr.save(2, state, stage_later=("app",))
+    mgr.fence()  # returns although staging failed
+    with pytest.raises(CheckpointError, match="background save of step 2 failed.*staging buffer lost"):
+        mgr.wait()
+    mgr.close()
+    assert mgr.latest().step == 1 and not (tmp_path / "step_2").exists()
 
 
 def test_manifest_lists_every_file_with_checksums(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ the same losses (within 1e-5); a background save failing on one rank raises on e
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -91,10 +92,30 @@ def _fsdp_save(collective: Any, folder: str) -> dict[str, Any]:
         mgr.wait()
     except CheckpointError as exc:
         raised = str(exc)
+    # staging on the background thread (stage_later) fails on rank 1 only: both ranks raise, nobody hangs
+    mgr._checkpointer.writer_factory = type(mgr._checkpointer).writer_factory
+    stage = mgr._stager.stage
+
+    def lost_buffer(tensors: dict) -> dict:
+        if collective.rank == 1 and threading.current_thread() is not threading.main_thread():
+            raise OSError("host staging buffer lost (injected)")
+        return stage(tensors)
+
+    mgr._stager.stage = lost_buffer
+    mgr.save(BEFORE + AFTER + 1, {"app": ModelOptimizerState(pm.module, opt)}, stage_later=("app",))
+    mgr.fence()
+    staging_raised = None
+    try:
+        for _ in range(100):
+            mgr.check_background()
+            time.sleep(0.02)
+        mgr.wait()
+    except CheckpointError as exc:
+        staging_raised = str(exc)
     info = mgr.latest()
     mgr.close()
     # the same two ranks now load that checkpoint into a tp=2 layout (one spawn: start-up dominates here)
-    return {"after": after, "raised": raised, "latest": info.step if info else None,
+    return {"after": after, "raised": raised, "staging_raised": staging_raised, "latest": info.step if info else None,
             "tp_after": _tp_load(collective, folder)}
 
 
@@ -124,6 +145,8 @@ def test_async_failure_on_one_rank_raises_on_every_rank(fsdp_run: tuple[Path, li
         assert r["latest"] == BEFORE
     for r in results:  # both ranks name rank 1 and its error
         assert "rank 1" in r["raised"] and "No space left on device" in r["raised"], r["raised"]
+        assert r["staging_raised"] is not None and "step 7" in r["staging_raised"]
+        assert "rank 1 while staging" in r["staging_raised"] and "buffer lost" in r["staging_raised"]
 
 
 def test_fsdp_checkpoint_loads_on_one_rank(fsdp_run: tuple[Path, list[dict[str, Any]]]) -> None:

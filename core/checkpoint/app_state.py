@@ -72,6 +72,15 @@ class ModelOptimizerState:
             set_model_state_dict(module, part, options=self._options())
 
 
+def has_persistent_buffers(module: nn.Module | Sequence[nn.Module]) -> bool:
+    """Whether the state dict of ``module`` (or of any of several modules) holds more than parameters."""
+    for part in [module] if isinstance(module, nn.Module) else module:
+        params = {name for name, _ in part.named_parameters()}
+        if any(key not in params for key in part.state_dict(keep_vars=True)):
+            return True
+    return False
+
+
 class RankLocal:
     """Marks ``obj`` as per-rank state. With a different world size on load it is skipped with a warning."""
 

@@ -146,13 +146,15 @@ class DCPCheckpointer(Checkpointer):
         return Prepared(step=int(step), tensors=tensors, meta=meta, local=local)
 
     def write(self, prepared: Prepared, path: str | os.PathLike[str], *, group: Any = None,
-              on_commit: Callable[[Path, Manifest], None] | None = None) -> Manifest | None:
+              on_commit: Callable[[Path, Manifest], None] | None = None,
+              failed: BaseException | None = None) -> Manifest | None:
         """Write and atomically commit ``prepared`` to ``path`` (collective over ``group``).
 
         Rank 0 runs ``on_commit(path, manifest)`` after the rename. Every rank takes part in every
         collective of the protocol even after a local failure, so a failure on any rank (here or inside DCP,
         which exchanges its own errors) raises :class:`CheckpointError` on all ranks instead of leaving the
-        others blocked. Returns the manifest on rank 0, ``None`` elsewhere.
+        others blocked. ``failed``: this rank could not prepare its part (staging failed); it is reported at
+        the first agreement. Returns the manifest on rank 0, ``None`` elsewhere.
         """
         group = self.group if group is None else group
         rank, world = _rank_world(group)
@@ -173,15 +175,15 @@ class DCPCheckpointer(Checkpointer):
                 if e is not None:
                     raise CheckpointError(f"saving {final} failed on rank {r} while {what}: {e}") from error
 
-        error: BaseException | None = None
-        if rank == 0:
+        error: BaseException | None = failed
+        if rank == 0 and error is None:
             try:
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True)
             except OSError as exc:
                 error = exc
-        agree(error, "creating the folder")
+        agree(error, "staging" if failed is not None else "creating the folder")
         writer = self.writer_factory(tmp, thread_count=self.thread_count)
         with without_zip_crc32():
             call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,

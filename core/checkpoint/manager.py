@@ -14,8 +14,9 @@ import logging
 import os
 import re
 import shutil
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,8 @@ class CheckpointManager:
     """Saves ``step_N`` checkpoints of a state dict of Statefuls/dicts into ``folder``.
 
     ``async_save``: ``save`` stages tensors to host memory (pinned when the device supports it) and
-    returns; a background thread writes and commits. At most one save is in flight; a failure surfaces
+    returns (or returns at once and stages on the background thread up to :meth:`fence`, see
+    :meth:`save`); a background thread writes and commits. At most one save is in flight; a failure surfaces
     from the next ``save``/``wait``/``check_background`` on every rank (agreed with an all-reduce).
     """
 
@@ -116,6 +118,7 @@ class CheckpointManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save") if async_save else None
         self._stager = HostStager() if async_save else None
         self._pending: Future[Any] | None = None
+        self._staged: threading.Event | None = None
         self._pending_step: int | None = None
         self.last_saved_step: int | None = None
         if self.rank == 0:
@@ -124,21 +127,48 @@ class CheckpointManager:
             dist.barrier(group=self._group)
 
     # -- saving ---------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Save ``state`` as ``step_{step}`` (all ranks call). Async mode returns once tensors are staged."""
+    def save(self, step: int, state: Mapping[str, Any], *, stage_later: Collection[str] = ()) -> None:
+        """Save ``state`` as ``step_{step}`` (all ranks call).
+
+        Async mode returns once tensors are staged to host memory, except the tensors of the entries named
+        in ``stage_later``: those are copied on the background thread, and the caller must call
+        :meth:`fence` before it next changes any of them in place (a trainer: before the optimizer step, as
+        forward and backward only read parameters and optimizer state). Synchronous mode ignores it.
+        """
         self.wait()
         prepared = self._checkpointer.prepare(state, step)
         if self._executor is None:
             self._write(prepared, self._group)
             return
+        later = {k: t for k, t in prepared.tensors.items() if k.split(".", 1)[0] in stage_later}
+        now = {k: t for k, t in prepared.tensors.items() if k not in later}
         assert self._stager is not None
-        prepared.tensors = self._stager.stage(prepared.tensors)
+        prepared.tensors = self._stager.stage(now)
+        staged = threading.Event()
+        self._staged = staged
         self._pending_step = step
-        self._pending = self._executor.submit(self._write, prepared, self._bg_group)
+        self._pending = self._executor.submit(self._stage_and_write, prepared, later, staged)
 
-    def _write(self, prepared: Prepared, group: Any) -> None:
+    def _stage_and_write(self, prepared: Prepared, later: dict[str, torch.Tensor], staged: threading.Event) -> None:
+        failed: BaseException | None = None
+        try:
+            assert self._stager is not None
+            prepared.tensors.update(self._stager.stage(later))
+        except Exception as exc:  # noqa: BLE001 - the write protocol tells every rank, then raises
+            failed = exc
+        finally:
+            staged.set()  # also on failure: fence() must not wait for a copy that will not come
+        self._write(prepared, self._bg_group, failed=failed)
+
+    def fence(self) -> None:
+        """Block until the in-flight save holds its own host copy of every tensor (they may change after)."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.wait()
+
+    def _write(self, prepared: Prepared, group: Any, failed: BaseException | None = None) -> None:
         self._checkpointer.write(prepared, self.folder / f"step_{prepared.step}", group=group,
-                                 on_commit=self._on_commit)
+                                 on_commit=self._on_commit, failed=failed)
         self.last_saved_step = prepared.step
 
     def _on_commit(self, path: Path, manifest: Manifest) -> None:
@@ -175,10 +205,13 @@ class CheckpointManager:
         raise CheckpointError(f"background save of step {step} failed ({where}); the previous checkpoint is "
                               "still valid") from local_error
 
-    def check_background(self) -> None:
-        """Cheap per-step check: raise on every rank if the in-flight save failed (collective while pending)."""
+    def check_background(self) -> bool:
+        """Cheap per-step check: raise on every rank if the in-flight save failed (collective while pending).
+
+        Returns whether a save is still in flight on some rank (the same answer on every rank).
+        """
         if self._pending is None:
-            return
+            return False
         done = self._pending.done()
         error = self._pending.exception() if done else None
         failed, all_done = self._agree(error, done)
@@ -186,6 +219,7 @@ class CheckpointManager:
             self._raise_failed(error)
         if all_done:
             self._pending, self._pending_step = None, None
+        return not all_done
 
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise on every rank if it failed on any."""
@@ -196,6 +230,7 @@ class CheckpointManager:
             error = None
         except BaseException as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
+        self._staged = None  # the future ran to its end, so staging is over
         failed, _ = self._agree(error, True)
         if failed:
             self._raise_failed(error)

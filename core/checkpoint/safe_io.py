@@ -160,7 +160,7 @@ def _writeback_starter() -> Any:
     return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)
 
 
-_start_writeback = _writeback_starter()
+start_writeback = _writeback_starter()
 
 
 class HashingFile(io.RawIOBase):
@@ -189,9 +189,9 @@ class HashingFile(io.RawIOBase):
             self._fh.write(piece)
             self._hash.update(piece)
         self._size += view.nbytes
-        if _start_writeback is not None and self._size - self._written_back >= _WRITEBACK_BYTES:
+        if start_writeback is not None and self._size - self._written_back >= _WRITEBACK_BYTES:
             self._fh.flush()
-            _start_writeback(self._fh.fileno(), self._written_back, self._size - self._written_back)
+            start_writeback(self._fh.fileno(), self._written_back, self._size - self._written_back)
             self._written_back = self._size
         return view.nbytes
 

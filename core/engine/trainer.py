@@ -255,6 +255,7 @@ class Trainer:
         return model
 
     def _setup_checkpoints(self) -> None:
+        from crosstrain.checkpoint.app_state import has_persistent_buffers
         from crosstrain.checkpoint.manager import CheckpointManager
 
         cfg = self.config.checkpoint
@@ -262,6 +263,10 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.keep_last,
                                              keep_every=cfg.keep_every, async_save=cfg.async_save,
                                              collective=self.collective)
+        # Async saves copy model and optimizer tensors while the next forward/backward runs, fenced before
+        # the optimizer step. Modules with persistent buffers may update them in forward (BatchNorm running
+        # stats), so such models are staged before save() returns instead.
+        self._stage_later = ("app",) if not has_persistent_buffers(self.parallel_model.module) else ()
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds: model + optimizer (resharding), schedule, counters, data position and loss
@@ -374,6 +379,11 @@ class Trainer:
                 times[name] = times.get(name, 0.0) + float(value)
         loss_value = float(sum(float(v) for v in losses) / ga)
         t_opt = time.perf_counter()
+        if self.checkpoints is not None:
+            self.checkpoints.fence()  # an async save may still be copying parameters and optimizer state
+            # A failed async save raises here on every rank. Its agreement is a collective, placed right after
+            # the gradient synchronisation, where the ranks are already lined up, so it costs no waiting.
+            self.checkpoints.check_background()
         next_step = self.counters.step + 1
         pluginmanager.call_strict("crosstrain_transform_gradients", "transform the gradients", model=pm.module,
                                   step=next_step, context=self)
@@ -439,7 +449,7 @@ class Trainer:
         if self.checkpoints is None:
             return
         self.checkpoints.check_background()
-        self.checkpoints.save(step, self.checkpoint_state())
+        self.checkpoints.save(step, self.checkpoint_state(), stage_later=self._stage_later)
 
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` (or until SIGTERM) and return the summary."""
@@ -478,8 +488,6 @@ class Trainer:
             if on_step_end:
                 pluginmanager.call_each("crosstrain_on_step_end", context=self, step=step, metrics=metrics)
             self.metrics.write(step, metrics)
-            if self.checkpoints is not None:
-                self.checkpoints.check_background()  # a failed async save raises on the next step, every rank
             if every and step % every == 0:
                 self._save(step)
                 last_saved = step
