@@ -127,7 +127,7 @@ def _bench_ranks(collective: Any, size_gb: float, workdir: str, repeats: int, st
 
     # crosstrain (sync)
     ck_dir = base / "crosstrain"
-    mgr = CheckpointManager(ck_dir, keep_last=1)
+    mgr = CheckpointManager(ck_dir, keep_last=repeats)  # no deletions (background) during the timed saves
     out["crosstrain_save_s"] = best(lambda i: mgr.save(i + 1, {"model": state}))
     target = {k: DTensor.from_local(torch.empty_like(v.to_local()), mesh,
                                                                                  [Shard(0)], run_check=False)
@@ -182,8 +182,8 @@ def _stall(mgr: Any, state: dict[str, Any], step_s: float) -> dict[str, float]:
 
     One step: "forward/backward" (matmuls for about ``step_s`` seconds that do not touch the state, then a
     gradient all-reduce as in data parallelism), then ``fence()`` and ``check_background()`` where the trainer
-    calls them, then the "optimizer step" (an in-place update of every state tensor). The stall is the time
-    spent blocked inside ``save``/``fence``/``check_background``
+    calls them, then the "optimizer step" (an in-place update of every state tensor), then ``save()`` (first
+    step) and ``start_check()``. The stall is the time spent blocked inside these calls
     from the save until it is committed; the slowdown is the loop's extra wall time over the same steps without
     a save (which also counts the background writer competing for this machine's CPU cores).
     """
@@ -205,7 +205,7 @@ def _stall(mgr: Any, state: dict[str, Any], step_s: float) -> dict[str, float]:
 
     def loop(save_step: int | None, stage_later: tuple[str, ...], min_steps: int) -> tuple[dict[str, float],
                                                                                           float, int]:
-        blocked = {"save": 0.0, "fence": 0.0, "check": 0.0}
+        blocked = {"save": 0.0, "fence": 0.0, "check": 0.0, "start_check": 0.0}
         steps = 0
         dist.barrier()
         start = time.perf_counter()
@@ -226,6 +226,9 @@ def _stall(mgr: Any, state: dict[str, Any], step_s: float) -> dict[str, float]:
                 mgr.save(save_step, {"model": state}, stage_later=stage_later)
                 blocked["save"] += time.perf_counter() - t
                 in_flight = True
+            t = time.perf_counter()
+            mgr.start_check()  # the trainer starts the agreement at the end of each step
+            blocked["start_check"] += time.perf_counter() - t
             steps += 1
         dist.barrier()
         return blocked, time.perf_counter() - start, steps
@@ -310,7 +313,7 @@ def main() -> None:
           f" blocked {res['async_stall_s']:.3f} s staging during the step, {res['async_stall_inline_s']:.3f} s"
           f" staging inside save(); loop slowdown {res['async_slowdown_s']:.3f} s; sync save"
           f" {res['crosstrain_save_s']:.2f} s")
-    parts = (f"{k}() {res[f'async_blocked_{k}_s']:.3f} s" for k in ("save", "fence", "check"))
+    parts = (f"{k}() {res[f'async_blocked_{k}_s']:.3f} s" for k in ("save", "fence", "check", "start_check"))
     print("  blocked in: " + ", ".join(parts))
     if recovery is not None:
         print(f"recovery (SIGKILL -> first resumed step, tiny model, new process): {recovery:.2f} s")

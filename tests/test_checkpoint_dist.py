@@ -63,8 +63,8 @@ def _failing_writer(rank: int) -> Any:
             return super().create_stream(path, mode)
 
     class FailingWriter(HashingFileSystemWriter):
-        def __init__(self, path: Any, *, thread_count: int = 1) -> None:
-            super().__init__(path, thread_count=thread_count)
+        def __init__(self, path: Any, **kwargs: Any) -> None:
+            super().__init__(path, **kwargs)
             self.fs = FailingFS()
 
     return FailingWriter
@@ -105,10 +105,11 @@ def _fsdp_save(collective: Any, folder: str) -> dict[str, Any]:
     mgr.save(BEFORE + AFTER + 1, {"app": ModelOptimizerState(pm.module, opt)}, stage_later=("app",))
     mgr.fence()
     staging_raised = None
-    try:
+    try:  # as the trainer: start the agreement at the end of a step, finish it in the next
         for _ in range(100):
-            mgr.check_background()
+            mgr.start_check()
             time.sleep(0.02)
+            mgr.check_background()
         mgr.wait()
     except CheckpointError as exc:
         staging_raised = str(exc)

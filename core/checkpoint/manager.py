@@ -14,10 +14,10 @@ import logging
 import os
 import re
 import shutil
-import threading
 import warnings
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from crosstrain.checkpoint.dcp import CheckpointWarning, DCPCheckpointer, Prepared
 from crosstrain.checkpoint.manifest import Manifest, atomic_write
 from crosstrain.checkpoint.retention import to_delete
+from crosstrain.checkpoint.safe_io import HASH_PIECE_BYTES
 from crosstrain.checkpoint.staging import HostStager
 from crosstrain.checkpoint.verify import verify
 from crosstrain.errors import CheckpointError
@@ -114,11 +115,19 @@ class CheckpointManager:
         self._group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         self._bg_group = (dist.new_group(backend="gloo", timeout=timeout)
                           if self.distributed and self.async_save else None)
-        self._checkpointer = DCPCheckpointer(self._group, thread_count=thread_count)
+        # An async writer hashes in long GIL-free calls: per-piece hashing is faster, but each piece is a GIL round
+        # trip that the training thread would wait for (up to the 5 ms switch interval each time).
+        self._checkpointer = DCPCheckpointer(self._group, thread_count=thread_count,
+                                             hash_piece_bytes=None if async_save else HASH_PIECE_BYTES)
+        # async: one thread stages (the optimizer step waits for it in fence()), one writes and commits
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save") if async_save else None
+        self._stage_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage")
+                                if async_save else None)
         self._stager = HostStager() if async_save else None
         self._pending: Future[Any] | None = None
-        self._staged: threading.Event | None = None
+        self._staged: Future[Any] | None = None
+        self._check: tuple[torch.Tensor, Any, BaseException | None] | None = None
+        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-delete")
         self._pending_step: int | None = None
         self.last_saved_step: int | None = None
         if self.rank == 0:
@@ -144,27 +153,24 @@ class CheckpointManager:
         now = {k: t for k, t in prepared.tensors.items() if k not in later}
         assert self._stager is not None
         prepared.tensors = self._stager.stage(now)
-        staged = threading.Event()
-        self._staged = staged
+        assert self._stage_executor is not None
+        self._staged = self._stage_executor.submit(self._stager.stage, later)
         self._pending_step = step
-        self._pending = self._executor.submit(self._stage_and_write, prepared, later, staged)
+        self._pending = self._executor.submit(self._write_staged, prepared, self._staged)
 
-    def _stage_and_write(self, prepared: Prepared, later: dict[str, torch.Tensor], staged: threading.Event) -> None:
+    def _write_staged(self, prepared: Prepared, staged: Future[dict[str, torch.Tensor]]) -> None:
         failed: BaseException | None = None
         try:
-            assert self._stager is not None
-            prepared.tensors.update(self._stager.stage(later))
+            prepared.tensors.update(staged.result())
         except Exception as exc:  # noqa: BLE001 - the write protocol tells every rank, then raises
             failed = exc
-        finally:
-            staged.set()  # also on failure: fence() must not wait for a copy that will not come
         self._write(prepared, self._bg_group, failed=failed)
 
     def fence(self) -> None:
         """Block until the in-flight save holds its own host copy of every tensor (they may change after)."""
         staged, self._staged = self._staged, None
         if staged is not None:
-            staged.wait()
+            wait_futures([staged])  # a staging failure is raised by the write, on every rank
 
     def _write(self, prepared: Prepared, group: Any, failed: BaseException | None = None) -> None:
         self._checkpointer.write(prepared, self.folder / f"step_{prepared.step}", group=group,
@@ -181,9 +187,11 @@ class CheckpointManager:
             doomed = victim.with_name(victim.name + ".deleting")
             try:
                 os.replace(victim, doomed)  # no longer looks like a checkpoint, even if rmtree is cut short
-                shutil.rmtree(doomed, ignore_errors=True)
             except OSError as exc:
                 log.warning("could not delete old checkpoint %s: %s", victim, exc)
+                continue
+            # Unlinking a large checkpoint takes a while (freeing its page-cache pages); off the save's path.
+            self._janitor.submit(shutil.rmtree, doomed, ignore_errors=True)
 
     def _agree(self, local_error: BaseException | None, local_done: bool) -> tuple[bool, bool]:
         """(any rank failed, all ranks done), agreed by every rank."""
@@ -205,24 +213,45 @@ class CheckpointManager:
         raise CheckpointError(f"background save of step {step} failed ({where}); the previous checkpoint is "
                               "still valid") from local_error
 
-    def check_background(self) -> bool:
-        """Cheap per-step check: raise on every rank if the in-flight save failed (collective while pending).
+    def start_check(self) -> None:
+        """Begin, without blocking, the agreement that the next :meth:`check_background` finishes.
 
-        Returns whether a save is still in flight on some rank (the same answer on every rank).
+        A trainer calls it at the end of a step; the agreement (a tiny all-reduce) then completes while the
+        next step computes, and ``check_background`` finds the answer ready instead of waiting for it.
+        """
+        if self._pending is None or self._check is not None:
+            return
+        done = self._pending.done()
+        error = self._pending.exception() if done else None
+        flags = torch.tensor([1 if error is not None else 0, 0 if done else 1], dtype=torch.int32)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True) \
+            if self.distributed else None
+        self._check = (flags, work, error)
+
+    def check_background(self) -> bool:
+        """Raise on every rank if the in-flight save failed; a collective while a save is pending.
+
+        Finishes the agreement begun by :meth:`start_check` (or runs one now). Returns whether a save is
+        still in flight on some rank (the same answer on every rank).
         """
         if self._pending is None:
             return False
-        done = self._pending.done()
-        error = self._pending.exception() if done else None
-        failed, all_done = self._agree(error, done)
-        if failed:
+        if self._check is None:
+            self.start_check()
+        assert self._check is not None
+        (flags, work, error), self._check = self._check, None
+        if work is not None:
+            work.wait()
+        if flags[0]:
             self._raise_failed(error)
-        if all_done:
+        if not flags[1]:
             self._pending, self._pending_step = None, None
-        return not all_done
+        return bool(flags[1])
 
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise on every rank if it failed on any."""
+        if self._pending is not None and self._check is not None:
+            self.check_background()  # finish the agreement in flight first (every rank has one)
         if self._pending is None:
             return
         try:
@@ -230,7 +259,7 @@ class CheckpointManager:
             error = None
         except BaseException as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
-        self._staged = None  # the future ran to its end, so staging is over
+        self._staged = None  # the write ran to its end, so staging is over
         failed, _ = self._agree(error, True)
         if failed:
             self._raise_failed(error)
@@ -279,11 +308,13 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            for executor in (self._executor, self._stage_executor):
+                if executor is not None:
+                    executor.shutdown(wait=True)
+            self._executor = self._stage_executor = None
             if self._stager is not None:
                 self._stager.release()
+            self._janitor.shutdown(wait=True)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -381,8 +381,8 @@ class Trainer:
         t_opt = time.perf_counter()
         if self.checkpoints is not None:
             self.checkpoints.fence()  # an async save may still be copying parameters and optimizer state
-            # A failed async save raises here on every rank. Its agreement is a collective, placed right after
-            # the gradient synchronisation, where the ranks are already lined up, so it costs no waiting.
+            # A failed async save raises here, on every rank, on the step after it failed. The agreement (a small
+            # collective) was started at the end of the previous step and has completed during this one's compute.
             self.checkpoints.check_background()
         next_step = self.counters.step + 1
         pluginmanager.call_strict("crosstrain_transform_gradients", "transform the gradients", model=pm.module,
@@ -491,6 +491,8 @@ class Trainer:
             if every and step % every == 0:
                 self._save(step)
                 last_saved = step
+            if self.checkpoints is not None:
+                self.checkpoints.start_check()  # finished by check_background() in the next step, without waiting
             if self._finish_stop_vote(vote):
                 preempted = True
                 break
