@@ -187,7 +187,7 @@ class DCPCheckpointer(Checkpointer):
                 tmp.mkdir(parents=True)
             except OSError as exc:
                 error = exc
-        agree(error, "staging" if failed is not None else "creating the folder")
+        agree(error, "preparing (staging to host memory, creating the folder)")
         writer = self.writer_factory(tmp, thread_count=self.thread_count, hash_piece_bytes=self.hash_piece_bytes)
         with without_zip_crc32():
             call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,

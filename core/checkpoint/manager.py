@@ -292,14 +292,34 @@ class CheckpointManager:
             self._verify_together(info.path)
         return self._checkpointer.load_into(info.path, state, group=self._group)
 
-    def _verify_together(self, path: Path) -> None:
-        """Verify ``path`` with the ranks splitting the SHA-256 work; raise on every rank if any found a problem."""
+    def latest_together(self) -> CheckpointInfo | None:
+        """:meth:`latest` as a collective (all ranks call): the ranks split each candidate's SHA-256 work
+        instead of every rank hashing every file, and agree on the answer."""
+        if not self.distributed:
+            return self.latest()
+        candidates: list[Any] = [step_dirs(self.folder) if self.rank == 0 else None]
+        dist.broadcast_object_list(candidates, src=0, group=self._group)
+        for step, path in candidates[0]:
+            problems = self._problems_together(path)
+            if not problems:
+                return CheckpointInfo(step=step, path=path, verified=True)
+            msg = f"skipping checkpoint {path}: {'; '.join(problems)}"
+            log.warning(msg)
+            warnings.warn(msg, CheckpointWarning, stacklevel=2)
+        return None
+
+    def _problems_together(self, path: Path) -> list[str]:
+        """Verify ``path`` with the ranks splitting the SHA-256 work; every rank gets every rank's findings."""
         report = verify(path, shard=(self.rank, self.world_size) if self.distributed else None)
         problems: list[Any] = [report.problems]
         if self.distributed:
             problems = [None] * self.world_size
             dist.all_gather_object(problems, report.problems, group=self._group)
-        found = sorted({p for part in problems for p in part})
+        return sorted({p for part in problems for p in part})
+
+    def _verify_together(self, path: Path) -> None:
+        """Verify ``path`` with the ranks splitting the SHA-256 work; raise on every rank if any found a problem."""
+        found = self._problems_together(path)
         if found:
             raise CheckpointError(f"checkpoint {path} is not valid: {'; '.join(found)}")
 

@@ -40,8 +40,9 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
            shard: tuple[int, int] | None = None) -> VerifyReport:
     """Verify the checkpoint folder ``path``. With ``checksums=False`` only presence and sizes are checked.
 
-    ``shard=(i, n)`` hashes only every n-th file (by sorted name) starting at i, so n ranks can split the
-    checksum work and combine their reports; presence and sizes are always checked for all files.
+    ``shard=(i, n)`` hashes only the files that part i of n gets when the files are split into n parts of
+    about equal bytes, so n ranks can split the checksum work and combine their reports; presence and sizes
+    are always checked for all files.
     """
     folder = Path(path)
     report = VerifyReport(path=str(folder), ok=False)
@@ -55,7 +56,8 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
         return report
     report.step, report.world_size = manifest.step, manifest.world_size
     report.files, report.bytes = len(manifest.files), manifest.total_bytes
-    for index, (name, entry) in enumerate(sorted(manifest.files.items())):
+    owner = _split_by_bytes(manifest.files, shard[1]) if shard is not None else {}
+    for name, entry in sorted(manifest.files.items()):
         file = folder / name
         if name == MANIFEST_FILE or Path(name).name != name:
             report.problems.append(f"manifest lists an invalid file name {name!r}")
@@ -67,8 +69,19 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
         if size != int(entry.get("bytes", -1)):
             report.problems.append(f"{name} has {size} bytes, manifest says {entry.get('bytes')}")
             continue
-        mine = shard is None or index % shard[1] == shard[0]
+        mine = shard is None or owner.get(name) == shard[0]
         if checksums and mine and sha256_file(file) != entry.get("sha256"):
             report.problems.append(f"{name} fails its SHA-256 check (corrupt)")
     report.ok = not report.problems
     return report
+
+
+def _split_by_bytes(files: dict[str, dict[str, Any]], parts: int) -> dict[str, int]:
+    """Assign each file to one of ``parts`` parts, largest first to the lightest part (same answer everywhere)."""
+    load = [0] * parts
+    owner: dict[str, int] = {}
+    for name, entry in sorted(files.items(), key=lambda kv: (-int(kv[1].get("bytes", 0) or 0), kv[0])):
+        part = min(range(parts), key=lambda p: (load[p], p))
+        owner[name] = part
+        load[part] += int(entry.get("bytes", 0) or 0)
+    return owner

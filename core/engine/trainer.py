@@ -292,7 +292,7 @@ class Trainer:
         resume = self.config.checkpoint.resume
         if self.checkpoints is None or resume == "never":
             return
-        target = self.checkpoints.latest() if resume == "auto" else resume
+        target = self.checkpoints.latest_together() if resume == "auto" else resume
         if target is None:
             return
         step = self.checkpoints.load(target, self.checkpoint_state())
@@ -428,7 +428,7 @@ class Trainer:
         limit = self.config.fault.max_consecutive_nonfinite
         if consecutive < limit:
             return consecutive
-        info = self.checkpoints.latest() if self.checkpoints is not None else None
+        info = self.checkpoints.latest_together() if self.checkpoints is not None else None
         if info is None:
             raise TrainingError(
                 f"loss or gradients were non-finite for {consecutive} consecutive steps (up to step {self.step}) "
