@@ -119,14 +119,15 @@ class CheckpointManager:
         # trip that the training thread would wait for (up to the 5 ms switch interval each time).
         self._checkpointer = DCPCheckpointer(self._group, thread_count=thread_count,
                                              hash_piece_bytes=None if async_save else HASH_PIECE_BYTES)
-        # async: one thread stages (the optimizer step waits for it in fence()), one writes and commits
+        # async: a writer thread writes and commits; a helper thread stages (fence() waits for it) and launches
+        # the per-step agreements, so that the training thread hands nothing to the OS in the common case
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save") if async_save else None
-        self._stage_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage")
+        self._helper = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-helper")
                                 if async_save else None)
         self._stager = HostStager() if async_save else None
         self._pending: Future[Any] | None = None
         self._staged: Future[Any] | None = None
-        self._check: tuple[torch.Tensor, Any, BaseException | None] | None = None
+        self._check: tuple[torch.Tensor, Future[Any] | None, BaseException | None] | None = None
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-delete")
         self._pending_step: int | None = None
         self.last_saved_step: int | None = None
@@ -153,8 +154,8 @@ class CheckpointManager:
         now = {k: t for k, t in prepared.tensors.items() if k not in later}
         assert self._stager is not None
         prepared.tensors = self._stager.stage(now)
-        assert self._stage_executor is not None
-        self._staged = self._stage_executor.submit(self._stager.stage, later)
+        assert self._helper is not None
+        self._staged = self._helper.submit(self._stager.stage, later)
         self._pending_step = step
         self._pending = self._executor.submit(self._write_staged, prepared, self._staged)
 
@@ -224,9 +225,12 @@ class CheckpointManager:
         done = self._pending.done()
         error = self._pending.exception() if done else None
         flags = torch.tensor([1 if error is not None else 0, 0 if done else 1], dtype=torch.int32)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True) \
-            if self.distributed else None
-        self._check = (flags, work, error)
+        launched: Future[Any] | None = None
+        if self.distributed:
+            assert self._helper is not None
+            launched = self._helper.submit(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._group,
+                                           async_op=True)
+        self._check = (flags, launched, error)
 
     def check_background(self) -> bool:
         """Raise on every rank if the in-flight save failed; a collective while a save is pending.
@@ -239,9 +243,11 @@ class CheckpointManager:
         if self._check is None:
             self.start_check()
         assert self._check is not None
-        (flags, work, error), self._check = self._check, None
-        if work is not None:
-            work.wait()
+        (flags, launched, error), self._check = self._check, None
+        if launched is not None:
+            work = launched.result()
+            if not work.is_completed():  # usually it is: the call would only cost a hand-off to the OS
+                work.wait()
         if flags[0]:
             self._raise_failed(error)
         if not flags[1]:
@@ -328,10 +334,10 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            for executor in (self._executor, self._stage_executor):
+            for executor in (self._executor, self._helper):
                 if executor is not None:
                     executor.shutdown(wait=True)
-            self._executor = self._stage_executor = None
+            self._executor = self._helper = None
             if self._stager is not None:
                 self._stager.release()
             self._janitor.shutdown(wait=True)
