@@ -293,8 +293,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=1.0, help="total state size over both ranks (GiB)")
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions per method (best is reported)")
-    parser.add_argument("--step-s", type=float, default=0.5,
-                        help="compute time of one simulated training step around the async saves (s)")
+    parser.add_argument("--step-s-per-gb", type=float, default=0.5,
+                        help="compute time of one simulated training step around the async saves, per GB of state "
+                             "(a step's FLOPs and a checkpoint's bytes both grow with the parameter count)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     parser.add_argument("--no-recovery", action="store_true", help="skip the kill-to-resume measurement")
     args = parser.parse_args()
@@ -303,7 +304,8 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="ckbench-", dir=args.dir))
     try:
-        res = run_ranks(_bench_ranks, 2, args.size_gb, str(workdir), args.repeats, args.step_s, timeout=1800)[0]
+        step_s = args.step_s_per_gb * args.size_gb * 2**30 / 1e9
+        res = run_ranks(_bench_ranks, 2, args.size_gb, str(workdir), args.repeats, step_s, timeout=1800)[0]
         recovery = None if args.no_recovery else _recovery(workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
