@@ -2,8 +2,8 @@
 
 - A run killed with SIGKILL and started again (``checkpoint.resume=auto``) ends with the same ``params_sha256``
   as an uninterrupted run of the same length (CPU, same layout).
-- ``crosstrain train --nproc 2 --max-restarts 2``: SIGKILL one worker mid-training; the job restarts, resumes and
-  finishes by itself with the uninterrupted 2-rank run's ``params_sha256``.
+- ``torchrun --nproc-per-node 2 --max-restarts 2 -m crosstrain train``: SIGKILL one worker mid-training; the job
+  restarts, resumes and finishes by itself with the uninterrupted 2-rank run's ``params_sha256``.
 """
 
 from __future__ import annotations
@@ -108,13 +108,17 @@ def _worker_pid(launcher: int, rank: int) -> int | None:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the worker")
 def test_elastic_restart_after_killing_one_rank(tmp_path: Path) -> None:
     steps = 30
-    layout = ("--set", "parallel.dp_shard=2", "--nproc", "2", "--max-restarts", "2")
-    # the uninterrupted reference runs alongside (both spend most of their wall time starting and stopping)
-    ref = subprocess.Popen(_cmd(tmp_path / "ref", steps, *layout), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env=_env())
+    # the uninterrupted reference runs alongside (both spend most of their wall time starting and stopping), under
+    # crosstrain's own launcher; the victim runs under the real torchrun CLI (the in-process launcher's restart
+    # path is tested in test_cli_train.py)
+    ref = subprocess.Popen(_cmd(tmp_path / "ref", steps, "--set", "parallel.dp_shard=2", "--nproc", "2"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     run_dir = tmp_path / "victim"
-    launcher = subprocess.Popen(_cmd(run_dir, steps, *layout), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=_env())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "2", "-m", "crosstrain"]
+    victim = _cmd(run_dir, steps, "--set", "parallel.dp_shard=2")
+    launcher = subprocess.Popen([*torchrun, *victim[victim.index("train"):]], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=_env())
     try:
         _wait_for_checkpoint(launcher, run_dir / "checkpoints", 10)
         pid = _worker_pid(launcher.pid, 1)
