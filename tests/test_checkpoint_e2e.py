@@ -85,6 +85,11 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     a, b = _summary(tmp_path / "ref"), _summary(victim_dir)
     assert b["steps"] == steps and 0 < b["steps_this_run"] < steps
     assert b["params_sha256"] == a["params_sha256"]
+    # metrics of the steps rolled back by the resume were dropped: every step once, losses as uninterrupted
+    records = [json.loads(line) for line in (victim_dir / "metrics.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r["loss"] for r in records] == [r["loss"] for r in reference]
 
 
 def _worker_pid(launcher: int, rank: int) -> int | None:

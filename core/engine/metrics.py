@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -27,10 +28,17 @@ def _json_value(value: Any) -> Any:
 
 
 class JsonlSink:
-    """One JSON object per step in ``metrics.jsonl`` (flushed on every line, so a crash loses nothing)."""
+    """One JSON object per step in ``metrics.jsonl`` (flushed on every line, so a crash loses nothing).
 
-    def __init__(self, path: str | Path) -> None:
+    ``resume_step``: the run resumed from a checkpoint of that step, so records of later steps describe work
+    that was rolled back; they are dropped (the file is replaced atomically) so that every step appears once,
+    as TensorBoard's ``purge_step`` does for event files.
+    """
+
+    def __init__(self, path: str | Path, *, resume_step: int | None = None) -> None:
         self.path = Path(path)
+        if resume_step is not None and self.path.exists():
+            _drop_records_after(self.path, resume_step)
         self._fh: TextIO | None = self.path.open("a", buffering=1)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -42,6 +50,21 @@ class JsonlSink:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by the crash
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            continue
+        kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def format_line(step: int, total: int, m: dict[str, float]) -> str:
@@ -107,10 +130,11 @@ class RichProgressSink:
 class TensorBoardSink:
     """Scalars to TensorBoard event files in ``<run_dir>/tensorboard``."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, *, resume_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir))
+        # purge_step: events at or after it (from work rolled back by the resume) are dropped
+        self.writer = SummaryWriter(str(log_dir), purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():

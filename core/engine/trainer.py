@@ -304,7 +304,8 @@ class Trainer:
             return
         cfg = self.config.logging
         assert self.run_dir is not None
-        self.metrics.add(JsonlSink(self.run_dir / "metrics.jsonl"))
+        resumed = self.counters.step or None  # a resumed run: later records belong to rolled-back work
+        self.metrics.add(JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resumed))
         mode = cfg.progress
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
@@ -313,7 +314,7 @@ class Trainer:
         elif mode == "plain":
             self.metrics.add(PlainConsoleSink(self.config.train.steps, cfg.every))
         if cfg.tensorboard and tensorboard_available():
-            self.metrics.add(TensorBoardSink(self.run_dir / "tensorboard"))
+            self.metrics.add(TensorBoardSink(self.run_dir / "tensorboard", resume_step=resumed))
         for _, sinks in pluginmanager.call_each("crosstrain_metrics_sinks", config=self.config):
             for sink in sinks or []:
                 self.metrics.add(sink)
