@@ -31,9 +31,11 @@ def _saver(folder: Path, start: int, async_save: bool) -> None:
         mgr = CheckpointManager(folder, keep_last=2, keep_every=5, async_save=async_save)
         (folder / "started").touch()
         step = start
-        while True:
-            mgr.save(step, _state_for(step))
+        while True:  # async: as the trainer does it (background staging, fence, non-blocking agreement)
+            mgr.save(step, _state_for(step), stage_later=("w",) if async_save else ())
+            mgr.fence()
             mgr.check_background()
+            mgr.start_check()
             step += 1
     except BaseException as exc:  # noqa: BLE001 - report, then leave without running the parent's atexit
         print(f"saver failed: {type(exc).__name__}: {exc}", file=sys.stderr)
