@@ -19,7 +19,7 @@ from crosstrain.errors import CheckpointError
 MANIFEST_FILE = "manifest.json"
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
-_CHUNK = 8 << 20
+_CHUNK = 512 << 10  # fits a core's L2 cache: SHA-256 reads it from there
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -48,10 +48,15 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def sha256_file(path: Path) -> str:
+    """SHA-256 of a file, read in cache-sized pieces into one reused buffer (hashed while still in cache)."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        if hasattr(os, "posix_fadvise"):  # read the whole file ahead while we hash (and keep it for the load)
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        while n := fh.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
