@@ -300,7 +300,8 @@ class CheckpointManager:
 
     def latest_together(self) -> CheckpointInfo | None:
         """:meth:`latest` as a collective (all ranks call): the ranks split each candidate's SHA-256 work
-        instead of every rank hashing every file, and agree on the answer."""
+        instead of every rank hashing every file, and agree on the answer. Waits for an in-flight save first."""
+        self.wait()  # it may become the newest checkpoint, and its agreement uses the same process group
         if not self.distributed:
             return self.latest()
         candidates: list[Any] = [step_dirs(self.folder) if self.rank == 0 else None]
