@@ -292,7 +292,7 @@ def _recovery(workdir: Path, timeout: float = 300.0) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=1.0, help="total state size over both ranks (GiB)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed repetitions per method (best is reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per method (best is reported)")
     parser.add_argument("--step-s-per-gb", type=float, default=0.5,
                         help="compute time of one simulated training step around the async saves, per GB of state "
                              "(a step's FLOPs and a checkpoint's bytes both grow with the parameter count)")
