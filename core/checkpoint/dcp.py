@@ -40,7 +40,6 @@ from crosstrain.checkpoint.manifest import (
     write_durable,
 )
 from crosstrain.checkpoint.safe_io import (
-    HASH_PIECE_BYTES,
     HashingFileSystemWriter,
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -109,12 +108,9 @@ class DCPCheckpointer(Checkpointer):
     #: the DCP storage writer class (tests substitute one that fails, to inject storage faults)
     writer_factory: Any = HashingFileSystemWriter
 
-    def __init__(self, process_group: Any = None, *, thread_count: int = 1,
-                 hash_piece_bytes: int | None = HASH_PIECE_BYTES) -> None:
-        """``hash_piece_bytes``: see :class:`HashingFile`; None for a writer that runs beside training threads."""
+    def __init__(self, process_group: Any = None, *, thread_count: int = 1) -> None:
         self.group = process_group
         self.thread_count = thread_count
-        self.hash_piece_bytes = hash_piece_bytes
 
     # -- saving ---------------------------------------------------------------------------------------
     def prepare(self, state: Mapping[str, Any], step: int) -> Prepared:
@@ -188,7 +184,7 @@ class DCPCheckpointer(Checkpointer):
             except OSError as exc:
                 error = exc
         agree(error, "preparing (staging to host memory, creating the folder)")
-        writer = self.writer_factory(tmp, thread_count=self.thread_count, hash_piece_bytes=self.hash_piece_bytes)
+        writer = self.writer_factory(tmp, thread_count=self.thread_count)
         with without_zip_crc32():
             call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,
                      no_dist=not distributed)

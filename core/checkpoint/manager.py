@@ -28,7 +28,6 @@ import torch.distributed as dist
 from crosstrain.checkpoint.dcp import CheckpointWarning, DCPCheckpointer, Prepared
 from crosstrain.checkpoint.manifest import Manifest, atomic_write
 from crosstrain.checkpoint.retention import to_delete
-from crosstrain.checkpoint.safe_io import HASH_PIECE_BYTES
 from crosstrain.checkpoint.staging import HostStager
 from crosstrain.checkpoint.verify import verify
 from crosstrain.errors import CheckpointError
@@ -115,10 +114,7 @@ class CheckpointManager:
         self._group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         self._bg_group = (dist.new_group(backend="gloo", timeout=timeout)
                           if self.distributed and self.async_save else None)
-        # An async writer hashes in long GIL-free calls: per-piece hashing is faster, but each piece is a GIL round
-        # trip that the training thread would wait for (up to the 5 ms switch interval each time).
-        self._checkpointer = DCPCheckpointer(self._group, thread_count=thread_count,
-                                             hash_piece_bytes=None if async_save else HASH_PIECE_BYTES)
+        self._checkpointer = DCPCheckpointer(self._group, thread_count=thread_count)
         # async: a writer thread writes and commits; a helper thread stages (fence() waits for it) and launches
         # the per-step agreements, so that the training thread hands nothing to the OS in the common case
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save") if async_save else None

@@ -143,7 +143,7 @@ def call_dcp(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 # -- writing -------------------------------------------------------------------------------------------
 
 #: SHA-256 reads a piece that was just written from cache: ~1.7x faster than from memory on the machines
-#: measured (docs/checkpointing.md). Pieces cost a GIL round trip each, so background writers use None.
+#: measured (docs/checkpointing.md).
 HASH_PIECE_BYTES = 512 << 10
 _WRITEBACK_BYTES = 16 << 20
 
@@ -168,9 +168,8 @@ start_writeback = _writeback_starter()
 class HashingFile(io.RawIOBase):
     """A binary file that feeds every written byte to SHA-256 (each piece right after it is written)."""
 
-    def __init__(self, path: Path, on_close: Any, piece_bytes: int | None = HASH_PIECE_BYTES) -> None:
+    def __init__(self, path: Path, on_close: Any) -> None:
         super().__init__()
-        self._piece = piece_bytes
         self._fh = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._hash = hashlib.sha256()
         self._on_close = on_close
@@ -185,14 +184,11 @@ class HashingFile(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if self._piece is None:  # two long calls that release the GIL: kind to threads running beside us
-            self._fh.write(view)
-            self._hash.update(view)
-        else:  # hash each piece right after writing it, while the page-cache copy left it in this core's cache
-            for start in range(0, view.nbytes, self._piece):
-                piece = view[start:start + self._piece]
-                self._fh.write(piece)
-                self._hash.update(piece)
+        # hash each piece right after writing it, while the page-cache copy has left it in this core's cache
+        for start in range(0, view.nbytes, HASH_PIECE_BYTES):
+            piece = view[start:start + HASH_PIECE_BYTES]
+            self._fh.write(piece)
+            self._hash.update(piece)
         self._size += view.nbytes
         if start_writeback is not None and self._size - self._written_back >= _WRITEBACK_BYTES:
             self._fh.flush()
@@ -221,9 +217,8 @@ class HashingFile(io.RawIOBase):
 class HashingFileSystem(FileSystem):
     """DCP ``FileSystem`` recording ``{file name: (sha256, bytes)}`` for every file written."""
 
-    def __init__(self, piece_bytes: int | None = HASH_PIECE_BYTES) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.piece_bytes = piece_bytes
         self.digests: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
 
@@ -239,7 +234,7 @@ class HashingFileSystem(FileSystem):
             with self._lock:
                 self.digests[path.name] = (digest, size)
 
-        stream = HashingFile(path, record, self.piece_bytes)
+        stream = HashingFile(path, record)
         try:
             yield stream
         finally:
@@ -278,11 +273,10 @@ def without_zip_crc32() -> Generator[None, None, None]:
 class HashingFileSystemWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` (fsync on, one file per rank and thread) that records file hashes."""
 
-    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1,
-                 hash_piece_bytes: int | None = HASH_PIECE_BYTES) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
                          overwrite=True)
-        self.fs: HashingFileSystem = HashingFileSystem(hash_piece_bytes)
+        self.fs: HashingFileSystem = HashingFileSystem()
 
     @property
     def digests(self) -> dict[str, tuple[str, int]]:
