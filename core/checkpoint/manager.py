@@ -190,13 +190,6 @@ class CheckpointManager:
             # Unlinking a large checkpoint takes a while (freeing its page-cache pages); off the save's path.
             self._janitor.submit(shutil.rmtree, doomed, ignore_errors=True)
 
-    def _agree(self, local_error: BaseException | None, local_done: bool) -> tuple[bool, bool]:
-        """(any rank failed, all ranks done), agreed by every rank."""
-        flags = torch.tensor([1 if local_error is not None else 0, 0 if local_done else 1], dtype=torch.int32)
-        if self.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flags[0]), not bool(flags[1])
-
     def _raise_failed(self, local_error: BaseException | None) -> None:
         """Every rank (after agreeing that some rank failed): raise naming the failing rank(s) and errors."""
         step = self._pending_step
@@ -256,16 +249,8 @@ class CheckpointManager:
             self.check_background()  # finish the agreement in flight first (every rank has one)
         if self._pending is None:
             return
-        try:
-            self._pending.result()
-            error = None
-        except BaseException as exc:  # noqa: BLE001 - reported on every rank below
-            error = exc
-        self._staged = None  # the write ran to its end, so staging is over
-        failed, _ = self._agree(error, True)
-        if failed:
-            self._raise_failed(error)
-        self._pending, self._pending_step = None, None
+        wait_futures([self._pending])
+        self.check_background()  # done on every rank now: clears the save, or raises on every rank if it failed
 
     @property
     def in_flight(self) -> bool:
