@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -71,17 +71,23 @@ def read_latest_pointer(folder: str | os.PathLike[str]) -> str | None:
         return None
 
 
-def find_latest(folder: str | os.PathLike[str], *, warn: bool = True) -> CheckpointInfo | None:
-    """The newest checkpoint under ``folder`` that verifies; others are skipped with a warning saying why."""
-    for step, path in step_dirs(folder):
-        report = verify(path)
-        if report.ok:
+def first_valid(candidates: list[tuple[int, Path]], problems_of: Callable[[Path], list[str]], *,
+                warn: bool = True) -> CheckpointInfo | None:
+    """The first of ``candidates`` (newest first) without problems; others are skipped with a warning saying why."""
+    for step, path in candidates:
+        problems = problems_of(path)
+        if not problems:
             return CheckpointInfo(step=step, path=path, verified=True)
         if warn:
-            msg = f"skipping checkpoint {path}: {report.reason}"
+            msg = f"skipping checkpoint {path}: {'; '.join(problems)}"
             log.warning(msg)
-            warnings.warn(msg, CheckpointWarning, stacklevel=2)
+            warnings.warn(msg, CheckpointWarning, stacklevel=3)
     return None
+
+
+def find_latest(folder: str | os.PathLike[str], *, warn: bool = True) -> CheckpointInfo | None:
+    """The newest checkpoint under ``folder`` that verifies; others are skipped with a warning saying why."""
+    return first_valid(step_dirs(folder), lambda path: verify(path).problems, warn=warn)
 
 
 class CheckpointManager:
@@ -287,14 +293,7 @@ class CheckpointManager:
             return self.latest()
         candidates: list[Any] = [step_dirs(self.folder) if self.rank == 0 else None]
         dist.broadcast_object_list(candidates, src=0, group=self._group)
-        for step, path in candidates[0]:
-            problems = self._problems_together(path)
-            if not problems:
-                return CheckpointInfo(step=step, path=path, verified=True)
-            msg = f"skipping checkpoint {path}: {'; '.join(problems)}"
-            log.warning(msg)
-            warnings.warn(msg, CheckpointWarning, stacklevel=2)
-        return None
+        return first_valid(candidates[0], self._problems_together)
 
     def _problems_together(self, path: Path) -> list[str]:
         """Verify ``path`` with the ranks splitting the SHA-256 work; every rank gets every rank's findings."""
