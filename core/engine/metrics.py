@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+from crosstrain.checkpoint.manifest import atomic_write
 
 
 class MetricsSink(Protocol):
@@ -62,9 +63,7 @@ def _drop_records_after(path: Path, step: int) -> None:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
             continue
         kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(kept).encode())
 
 
 def format_line(step: int, total: int, m: dict[str, float]) -> str:
