@@ -266,7 +266,8 @@ class Trainer:
         # Async saves copy model and optimizer tensors while the next forward/backward runs, fenced before
         # the optimizer step. Modules with persistent buffers may update them in forward (BatchNorm running
         # stats), so such models are staged before save() returns instead.
-        self._stage_later = ("app",) if not has_persistent_buffers(self.parallel_model.module) else ()
+        defer = cfg.async_save and not has_persistent_buffers(self.parallel_model.module)
+        self._stage_later = ("app",) if defer else ()
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds: model + optimizer (resharding), schedule, counters, data position and loss
@@ -449,8 +450,7 @@ class Trainer:
     def _save(self, step: int) -> None:
         if self.checkpoints is None:
             return
-        self.checkpoints.check_background()
-        self.checkpoints.save(step, self.checkpoint_state(), stage_later=self._stage_later)
+        self.checkpoints.save(step, self.checkpoint_state(), stage_later=self._stage_later)  # waits for the last
 
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` (or until SIGTERM) and return the summary."""
