@@ -77,7 +77,7 @@ def bench(c: Collective, sizes: list[int], reps: int, null: bool = False) -> lis
                 order = ((ours, t_ours), (raw, t_raw)) if i % 2 == 0 else ((raw, t_raw), (ours, t_ours))
                 for fn, sink in order:
                     sink.append(_timed(fn, 1))
-            ratio = statistics.median(r / o for r, o in zip(t_raw, t_ours))
+            ratio = statistics.median(r / o for r, o in zip(t_raw, t_ours, strict=True))
             best_ours, best_raw = statistics.median(t_ours), statistics.median(t_raw)
             alg_ours, alg_raw = nbytes / best_ours / 1e9, nbytes / best_raw / 1e9
             f = bus_factor(op, n)

@@ -205,7 +205,7 @@ def report(args: argparse.Namespace, name: str, part: Any, backend_name: str | N
         t = measure(op, fast, case_args, grad_idx, dry)
         r = measure(op, ref, case_args, grad_idx, dry)
         errs = {"fwd": (t["out"] - r["out"]).abs().max().item(),
-                "bwd": max((a - b).abs().max().item() for a, b in zip(t["grads"], r["grads"]))}
+                "bwd": max((a - b).abs().max().item() for a, b in zip(t["grads"], r["grads"], strict=True))}
         for direction in ("fwd", "bwd"):
             ms_t, ms_r = t[f"{direction}_ms"], r[f"{direction}_ms"]
             gbps = nbytes[direction] / (ms_t * 1e-3) / 1e9

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import statistics
@@ -52,7 +53,7 @@ def crosstrain_worker(collective: Any, s: dict[str, Any], out_dir: str) -> list[
         _fit_crosstrain(s, out_dir)
     finally:
         pluginmanager.unregister("overhead-step-clock")
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in itertools.pairwise(ends)]
 
 
 def _fit_crosstrain(s: dict[str, Any], out_dir: str) -> None:
@@ -119,7 +120,7 @@ def plain_worker(collective: Any, s: dict[str, Any], out_dir: str) -> list[float
         dist.all_reduce(reported)
         float(reported)
         ends.append(time.perf_counter())
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in itertools.pairwise(ends)]
 
 
 # ---------------------------------------------------------------------------------------------------- optional
@@ -171,7 +172,7 @@ def _simple_loop(s: dict[str, Any], model: Any, opt: Any, backward: Any, clip: A
         opt.zero_grad(set_to_none=True)
         float(loss)
         ends.append(time.perf_counter())
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in itertools.pairwise(ends)]
 
 
 # ---------------------------------------------------------------------------------------------------- driver

@@ -2,8 +2,9 @@
 
 A backend bundles the four interfaces for one accelerator type: its :class:`~crosstrain.device.Device`,
 a :class:`~crosstrain.collective.Collective` bound to that device, kernel implementations registered into
-the :class:`~crosstrain.kernels.KernelRegistry`, and a checkpoint storage (the core's default unless the
-backend overrides it).
+the :class:`~crosstrain.kernels.KernelRegistry`, and the checkpointer every trainer checkpoint is written and read
+through (the core's default unless the backend overrides it). ``crosstrain doctor`` also asks each backend for
+the packages and environment variables that matter to it, so the core never names them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from crosstrain.device import CAPABILITIES, Availability, Device
 
 if TYPE_CHECKING:
-    from crosstrain.checkpoint import Checkpointer
+    from crosstrain.checkpoint.dcp import DCPCheckpointer
     from crosstrain.collective import Collective
     from crosstrain.kernels import KernelRegistry
 
@@ -61,11 +62,23 @@ class Backend:
     def register_kernels(self, registry: KernelRegistry) -> None:
         """Register this backend's fast kernel implementations (default: none, references are used)."""
 
-    def checkpointer(self) -> Checkpointer:
-        """The checkpoint storage to use (default: the core's local-filesystem implementation)."""
-        from crosstrain.checkpoint import LocalCheckpointer
+    def checkpointer(self) -> DCPCheckpointer:
+        """A new, unbound checkpointer that :class:`~crosstrain.checkpoint.manager.CheckpointManager` (so every
+        trainer checkpoint) saves and loads through. Default: the core's sharded DCP checkpointer on the local
+        filesystem. To change where or how the bytes go, return a subclass that sets ``writer_factory`` /
+        ``reader_factory`` (DCP storage writer and reader classes); the commit protocol and format stay the core's.
+        """
+        from crosstrain.checkpoint.dcp import DCPCheckpointer
 
-        return LocalCheckpointer()
+        return DCPCheckpointer()
+
+    def doctor_lines(self) -> list[tuple[str, str]]:
+        """``(label, value)`` pairs ``crosstrain doctor`` shows under this backend: the packages it needs and
+        the environment variables it reads (only those set). Default: the device's visible-devices variable."""
+        from crosstrain.diagnostics import env_lines
+
+        env = self.device().visible_devices_env
+        return env_lines(env) if env else []
 
     def has(self, capability: str) -> bool:
         return capability in self.capabilities

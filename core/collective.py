@@ -22,8 +22,9 @@ from crosstrain.errors import CollectiveError
 from crosstrain.fault.elastic import elastic_store
 from crosstrain.fault.timeout import guarded
 
-#: mesh dimension names, outermost first; any subset may be used, in this order.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+#: mesh dimension names, outermost first; any subset may be used, in this order. ``dp_shard_out`` is the part of
+#: ``dp_shard`` outside expert parallelism when ``ep > 1`` (see crosstrain.parallel.mesh).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "dp_shard_out", "ep", "tp")
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -237,7 +238,7 @@ class Collective:
         for s in shape:
             product *= s
         if product != self.world_size:
-            layout = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
+            layout = " x ".join(f"{n}={s}" for n, s in zip(names, shape, strict=True))
             raise CollectiveError(f"mesh {layout} has {product} ranks but the world size is {self.world_size}")
         return init_device_mesh(self.device.type, shape, mesh_dim_names=names)
 

@@ -126,6 +126,15 @@ class Device(ABC):
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Peak dense FLOP/s of one device for ``dtype`` (used for MFU); 0.0 when unknown."""
 
+    def peak_flops_source(self, dtype: torch.dtype) -> str:
+        """Where :meth:`peak_flops` got its figure (recorded in summary.json next to the MFU)."""
+        if os.environ.get("CROSSTRAIN_PEAK_FLOPS"):
+            return "$CROSSTRAIN_PEAK_FLOPS"
+        return f"{type(self).__name__}.peak_flops (the backend's table or measurement)"
+
+    def remeasure_peak_flops(self) -> None:
+        """Forget measured peak figures, so the next :meth:`peak_flops` measures again (``doctor --measure``)."""
+
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         """Page-lock a host tensor when the device benefits from it; otherwise return it unchanged."""
         return tensor
@@ -144,58 +153,117 @@ class Device(ABC):
 
 
 class TorchModuleDevice(Device):
-    """A Device that delegates to ``torch.<type>`` (the module every torch accelerator registers).
+    """A Device that delegates to ``torch.<type>`` (the module every torch device type registers).
 
-    Accelerator backends subclass this and override :meth:`availability`, :meth:`peak_flops` and the
-    class attributes; everything else follows torch's common device-module API.
+    Accelerator backends subclass this and set :attr:`type`, :attr:`dist_backend` and
+    :attr:`visible_devices_env`, and override :meth:`peak_flops` (and :meth:`availability` where one call to the
+    module's ``is_available()`` is not the whole story). Everything else follows torch's common device-module API;
+    where a module lacks a function (``torch.cpu`` has no RNG or memory counters, and nothing to pin memory
+    for), the host's equivalent is used, so the same class serves a device whose tensors live in host memory.
     """
 
     def _module(self) -> Any:
         return torch.get_device_module(self.type)
 
+    def _get(self, name: str) -> Any:
+        """The module's function ``name``, or None where this device type has none."""
+        try:
+            return getattr(self._module(), name, None)
+        except (AttributeError, RuntimeError):  # torch has no module for this device type
+            return None
+
+    def availability(self) -> Availability:
+        is_available = self._get("is_available")
+        if is_available is None:
+            return Availability(False, f"torch has no torch.{self.type} module; install the package that adds it")
+        try:
+            ok = bool(is_available())
+        except Exception as exc:  # a probe never raises
+            return Availability(False, f"torch.{self.type}.is_available() failed: {type(exc).__name__}: {exc}")
+        return Availability(ok, "" if ok else f"torch.{self.type}.is_available() is False (no device visible)")
+
     def device_count(self) -> int:
-        return int(self._module().device_count())
+        count = self._get("device_count")
+        return int(count()) if count is not None else 1
 
     def set_device(self, device: torch.device | int) -> None:
-        self._module().set_device(device)
+        fn = self._get("set_device")
+        if fn is not None:
+            fn(device)
 
     def current_device(self) -> torch.device:
-        return torch.device(self.type, self._module().current_device())
+        fn = self._get("current_device")
+        current = fn() if fn is not None else 0
+        if isinstance(current, torch.device):
+            return current
+        if isinstance(current, str):  # torch.cpu.current_device() returns "cpu"
+            return torch.device(current)
+        return torch.device(self.type, int(current))
 
     def synchronize(self) -> None:
-        self._module().synchronize()
+        fn = self._get("synchronize")
+        if fn is not None:
+            fn()
 
     def stream(self) -> Any:
-        return self._module().Stream()
+        cls = self._get("Stream")
+        return cls() if cls is not None else None
 
     def event(self, enable_timing: bool = False) -> Any:
-        return self._module().Event(enable_timing=enable_timing)
+        cls = self._get("Event")
+        if cls is None:
+            return None
+        try:
+            return cls(enable_timing=enable_timing)
+        except TypeError:  # torch.cpu.Event takes no arguments (and times nothing)
+            return cls()
+
+    def _index(self) -> int:
+        index = self.current_device().index
+        return 0 if index is None else index
 
     def memory_stats(self) -> MemoryStats:
-        mod = self._module()
-        index = mod.current_device()
-        total = int(mod.get_device_properties(index).total_memory)
+        allocated = self._get("memory_allocated")
+        if allocated is None:  # tensors in host memory: this process's resident set
+            from crosstrain.hostmem import current_rss, peak_rss, total_memory
+
+            rss = current_rss()
+            return MemoryStats(allocated=rss, reserved=rss, peak=max(peak_rss(), rss), total=total_memory())
+        mod, index = self._module(), self._index()
+        total = int(mod.get_device_properties(index).total_memory) if hasattr(mod, "get_device_properties") else 0
         return MemoryStats(
-            allocated=int(mod.memory_allocated(index)),
-            reserved=int(mod.memory_reserved(index)),
+            allocated=int(allocated(index)),
+            reserved=int(mod.memory_reserved(index)) if hasattr(mod, "memory_reserved") else int(allocated(index)),
             peak=int(mod.max_memory_allocated(index)),
             total=total,
         )
 
     def reset_peak_memory_stats(self) -> None:
-        self._module().reset_peak_memory_stats()
+        fn = self._get("reset_peak_memory_stats")
+        if fn is not None:
+            fn()
+        else:
+            from crosstrain.hostmem import reset_peak_rss
+
+            reset_peak_rss()
 
     def empty_cache(self) -> None:
-        self._module().empty_cache()
+        fn = self._get("empty_cache")
+        if fn is not None:
+            fn()
 
+    # a module without its own generator (torch.cpu) draws from torch's default (host) generator
     def get_rng_state(self) -> torch.Tensor:
-        return self._module().get_rng_state()
+        fn = self._get("get_rng_state")
+        return fn() if fn is not None else torch.get_rng_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
-        self._module().set_rng_state(state)
+        fn = self._get("set_rng_state")
+        (fn or torch.set_rng_state)(state)
 
     def manual_seed(self, seed: int) -> None:
-        self._module().manual_seed(seed)
+        fn = self._get("manual_seed")
+        (fn or torch.manual_seed)(seed)
 
     def supported_dtypes(self) -> frozenset[torch.dtype]:
         return frozenset({torch.float32, torch.bfloat16, torch.float16})
@@ -204,4 +272,8 @@ class TorchModuleDevice(Device):
         return torch.bfloat16
 
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        # pinning is for copies to an accelerator; a host-memory device (or a host with none) has nothing to pin for
+        accelerator = getattr(torch, "accelerator", None)
+        if self.type == "cpu" or (accelerator is not None and not accelerator.is_available()):
+            return tensor
         return tensor if tensor.is_pinned() else tensor.pin_memory()

@@ -3,7 +3,14 @@
 
 Implementations live in modules listed under the ``crosstrain`` entry-point group and are marked with
 :data:`crosstrain.hookimpl`. Each hook is a small, documented extension point, in the style of pytest's
-hookspecs.
+hookspecs. An implementation may take any subset of a hook's arguments.
+
+Order: every hook is called in plugin registration order (entry points load sorted by name; in-process
+``crosstrain.pluginmanager.register`` appends), first registered first. ``@hookimpl(tryfirst=True)`` moves
+an implementation to the front and ``trylast=True`` to the back.
+
+Run-time hooks receive ``context``, a :class:`crosstrain.engine.context.RunContext` (config, run dir, rank and
+world, mesh and dims, device, models and optimizers by name, step, ``emit_event``, ``request_stop``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ if TYPE_CHECKING:
     import torch
 
     from crosstrain.backend import Backend
+    from crosstrain.engine.context import RunContext
+    from crosstrain.engine.recipe import Recipe
     from crosstrain.kernels import KernelRegistry
 
 
@@ -46,44 +55,65 @@ def crosstrain_add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 @hookspec
-def crosstrain_transform_model(model: torch.nn.Module, config: Any) -> torch.nn.Module | None:
-    """Replace or modify the model after it is built and before it is parallelised (e.g. MoE layers).
+def crosstrain_transform_model(model: torch.nn.Module, config: Any, name: str) -> torch.nn.Module | None:
+    """Replace or modify a model after it is built and before it is parallelised (e.g. MoE layers).
 
-    Return the new model, or None to keep it. Called in plugin registration order.
+    Called for every model of the recipe (``name``: ``model`` in the ``lm`` recipe; ``policy``, ``reference``
+    ... in others). Return the new model, or None to keep it. A module the plugin brings supplies its own
+    parallel plan (``tp_plan()``, see docs/parallelism.md). A raising plugin stops the run.
     """
 
 
 @hookspec(firstresult=True)
-def crosstrain_recipe(name: str) -> Any:
-    """Return the training recipe called ``name`` (e.g. ``dpo``, ``ppo``), or None if not this plugin's.
+def crosstrain_recipe(name: str) -> Recipe | type[Recipe] | None:
+    """Return the :class:`crosstrain.engine.recipe.Recipe` (or its class) called ``name``, or None.
 
-    A recipe owns its step function and may build several models (policy, reference, value, reward).
+    The first plugin to return one wins; built-in recipes (``lm``) take precedence.
     """
 
 
 @hookspec
-def crosstrain_transform_gradients(model: torch.nn.Module, step: int, context: Any) -> None:
-    """Modify gradients in place after backward and before clipping and the optimizer step.
+def crosstrain_recipe_names() -> list[str]:
+    """Return the recipe names this plugin provides (listed in the error for an unknown ``train.recipe``)."""
 
-    Used for secure aggregation and differential privacy (clip + noise).
+
+@hookspec
+def crosstrain_transform_gradients(model: torch.nn.Module, step: int, context: RunContext, name: str) -> None:
+    """Modify gradients in place, once per trainable model (``name``) and step.
+
+    Contract: runs after backward and the data-parallel reduction, after fp16 unscaling, before clipping and
+    the optimizer step; each rank sees the gradients it holds (full tensors under DDP, its shards, as
+    DTensors, under FSDP2/TP). Used for secure aggregation and differential privacy. A raising plugin stops
+    the run.
     """
 
 
 @hookspec
-def crosstrain_checkpoint_state(context: Any) -> dict[str, Any]:
+def crosstrain_after_optimizer_step(context: RunContext, step: int) -> None:
+    """Called on every rank after each optimizer step (also a skipped non-finite one) and the LR schedule.
+
+    For plugins that change parameters once a step or a round ends (federated averaging). A raising plugin
+    stops the run.
+    """
+
+
+@hookspec
+def crosstrain_checkpoint_state(context: RunContext) -> dict[str, Any]:
     """Return extra ``{key: Stateful}`` objects to save with every checkpoint and restore on resume."""
 
 
 @hookspec
-def crosstrain_on_step_end(context: Any, step: int, metrics: dict[str, float]) -> None:
-    """Called on every rank after each optimizer step with that step's metrics (may add keys to it)."""
+def crosstrain_on_step_end(context: RunContext, step: int, metrics: dict[str, float]) -> None:
+    """Called on every rank after each step with that step's metrics (may add keys to it); a raising plugin
+    is reported and skipped."""
 
 
 @hookspec
 def crosstrain_metrics_sinks(config: Any) -> list[Any]:
-    """Return metrics sinks (objects with ``write(step, metrics)`` and ``close()``) to receive every metric."""
+    """Return metrics sinks for rank 0: objects with ``write(step, metrics)`` and ``close()``, optionally
+    ``open(info)`` and ``event(step, name, fields)`` (see :mod:`crosstrain.engine.metrics`)."""
 
 
 @hookspec
-def crosstrain_after_train(context: Any, run_dir: str) -> None:
+def crosstrain_after_train(context: RunContext, run_dir: str) -> None:
     """Called once after training ends (e.g. export the model for inference)."""

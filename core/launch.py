@@ -4,20 +4,35 @@ The workers run ``python -m crosstrain train ...`` (exactly what ``torchrun -m c
 with the same ``--run-dir`` so an elastic restart (``--max-restarts``) resumes from the run's latest
 checkpoint. Multi-node jobs pass ``--nnodes`` and ``--rdzv-endpoint`` as with torchrun; under SLURM, start one
 ``crosstrain train`` per task with ``srun`` instead (``crosstrain.distenv`` reads the SLURM variables).
+
+The job is one unit: the launcher holds the run dir's lock (:mod:`crosstrain.runlock`) for its workers, the
+workers die with it (:mod:`crosstrain.parentwatch`), and torchelastic's log folder is one of ours in the temp dir,
+removed when the job ends; one left by a launcher killed with SIGKILL is removed by the next launch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from crosstrain.collective import free_port
 from crosstrain.errors import ConfigError, CrosstrainError
+from crosstrain.parentwatch import ENV_LAUNCHER_PID
+from crosstrain.runlock import lock_dir, pid_alive
+
+#: torchelastic's per-job log folder: ``<temp dir>/crosstrain-launch-<launcher pid>-<random>``.
+LOG_DIR_PREFIX = "crosstrain-launch-"
+_LOG_DIR_RE = re.compile(rf"^{LOG_DIR_PREFIX}(\d+)-")
 
 
 class LaunchError(CrosstrainError):
@@ -29,7 +44,8 @@ class LaunchError(CrosstrainError):
 
 
 def torchrun_args(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nnodes: str = "1",
-                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> list[str]:
+                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                  log_dir: str | None = None) -> list[str]:
     """The torchrun command line (without ``torchrun``) that starts ``nproc`` crosstrain workers."""
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be >= 1")
@@ -39,7 +55,8 @@ def torchrun_args(worker_args: Sequence[str], *, nproc: int, max_restarts: int =
     return [
         "--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id or uuid.uuid4().hex[:12],
-        "--monitor-interval", "0.5", "--module", "crosstrain", *worker_args,
+        "--monitor-interval", "0.5", *(["--log-dir", log_dir] if log_dir else []), "--module", "crosstrain",
+        *worker_args,
     ]
 
 
@@ -52,12 +69,21 @@ def launch(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nno
     """
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
         raise ConfigError("--nproc cannot be used inside a torchrun worker; drop --nproc or torchrun")
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args(torchrun_args(worker_args, nproc=nproc, max_restarts=max_restarts,
-                                                      nnodes=nnodes, rdzv_endpoint=rdzv_endpoint))
+    # one node: this launcher holds the run-dir lock for its workers; several: the rank-0 worker holds it itself
+    with _job(run_dir if nnodes in ("1", "1:1") else None) as log_dir:
+        args = get_args_parser().parse_args(torchrun_args(worker_args, nproc=nproc, max_restarts=max_restarts,
+                                                          nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                                                          log_dir=log_dir))
+        return _run(run, args, max_restarts=max_restarts, run_dir=run_dir)
+
+
+def _run(run: Callable[[Any], Any], args: Any, *, max_restarts: int, run_dir: str | None) -> int:
+    """torchrun's ``run(args)``, its failures turned into :class:`LaunchError` (or 0 for a preempted job)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         run(args)
     except SignalException as exc:
@@ -73,6 +99,42 @@ def launch(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nno
         raise LaunchError(f"worker rank {rank} failed with exit code {failure.exitcode} "
                           f"(after {max_restarts} restart(s) allowed); see its output above", code) from None
     return 0
+
+
+@contextmanager
+def _job(run_dir: str | None) -> Iterator[str]:
+    """For the job's lifetime: the run-dir lock, ``$CROSSTRAIN_LAUNCHER_PID`` for the workers and a log folder."""
+    remove_stale_log_dirs()
+    lock = lock_dir(run_dir) if run_dir else None
+    previous = os.environ.get(ENV_LAUNCHER_PID)
+    os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
+    log_dir = tempfile.mkdtemp(prefix=f"{LOG_DIR_PREFIX}{os.getpid()}-")
+    try:
+        yield log_dir
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        if previous is None:
+            os.environ.pop(ENV_LAUNCHER_PID, None)
+        else:
+            os.environ[ENV_LAUNCHER_PID] = previous
+        if lock is not None:
+            lock.release()  # also removes the run dir it created if the workers wrote nothing (they failed early)
+
+
+def remove_stale_log_dirs(root: str | None = None) -> list[Path]:
+    """Remove the log folders of launchers that are gone (killed with SIGKILL, so they could not); returns them."""
+    removed: list[Path] = []
+    base = Path(root or tempfile.gettempdir())
+    try:
+        children = list(base.iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        m = _LOG_DIR_RE.match(child.name)
+        if m and child.is_dir() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
 
 
 def _preempted(run_dir: Path) -> bool:

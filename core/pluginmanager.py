@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -83,25 +84,37 @@ def load_errors() -> list[PluginLoadError]:
     return list(_errors)
 
 
-def call_each(hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+def ordered_impls(hook_name: str) -> list[Any]:
+    """A hook's implementations in call order: ``tryfirst`` ones, then the rest in registration order (first
+    registered first), then ``trylast`` ones. pluggy itself calls last-registered first; crosstrain
+    documents and uses registration order, so model transforms apply in the order plugins were added."""
+    impls = [i for i in getattr(plugin_manager().hook, hook_name).get_hookimpls() if not (i.hookwrapper or i.wrapper)]
+    first = [i for i in impls if i.tryfirst]
+    last = [i for i in impls if i.trylast]
+    return first + [i for i in impls if not (i.tryfirst or i.trylast)] + last
+
+
+def call_each(hook_name: str, *, on_error: Callable[[str, BaseException], None] | None = None,
+              **kwargs: Any) -> list[tuple[str, Any]]:
     """Call a hook on every plugin separately, so one raising plugin is reported and the rest still run.
 
-    Returns ``(plugin_name, result)`` for every implementation that returned without raising.
+    Returns ``(plugin_name, result)`` for every implementation that returned without raising, in
+    :func:`ordered_impls` order; ``on_error(plugin_name, exc)`` hears of each one that raised.
     """
-    pm = plugin_manager()
-    caller = getattr(pm.hook, hook_name)
     results: list[tuple[str, Any]] = []
-    for impl in reversed(caller.get_hookimpls()):
+    for impl in ordered_impls(hook_name):
         args = {k: kwargs[k] for k in impl.argnames}
         try:
             results.append((impl.plugin_name, impl.function(**args)))
         except Exception as exc:
             record_error(impl.plugin_name, exc)
+            if on_error is not None:
+                on_error(impl.plugin_name, exc)
     return results
 
 
 def call_strict(hook_name: str, what: str, **kwargs: Any) -> list[tuple[str, Any]]:
-    """Call a hook on every plugin in registration order; a raising plugin stops the run with a PluginError.
+    """Call a hook on every plugin in :func:`ordered_impls` order; a raising plugin stops the run (PluginError).
 
     For run-time hooks whose silent failure would change what training does (gradient transforms for secure
     aggregation or differential privacy, extra checkpoint state, after-train exports). ``what`` completes the
@@ -109,9 +122,8 @@ def call_strict(hook_name: str, what: str, **kwargs: Any) -> list[tuple[str, Any
     """
     from crosstrain.errors import CrosstrainError, PluginError
 
-    caller = getattr(plugin_manager().hook, hook_name)
     results: list[tuple[str, Any]] = []
-    for impl in reversed(caller.get_hookimpls()):
+    for impl in ordered_impls(hook_name):
         args = {k: kwargs[k] for k in impl.argnames}
         try:
             results.append((impl.plugin_name, impl.function(**args)))

@@ -8,3 +8,23 @@ Triton kernels are then checked on the CPU in this process (tests/test_triton_ke
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402  (after the environment is set)
+
+
+@pytest.fixture
+def plugin():
+    """Register in-process plugin objects for one test: ``plugin(obj, name)``; unregistered afterwards."""
+    from crosstrain import pluginmanager
+
+    names = []
+
+    def register(obj, name):
+        pluginmanager.register(obj, name=name)
+        names.append(name)
+        return obj
+
+    yield register
+    for name in names:
+        pluginmanager.unregister(name)

@@ -74,7 +74,7 @@ def test_round_trip_resumes_exactly(tmp_path: Path, async_save: bool) -> None:
     assert torch.rand(1).item() == pytest.approx(torch.manual_seed(123) and torch.rand(1).item())
     resumed = [_train_step(model2, opt2, s) for s in (1, 2)]
     assert resumed == after  # bitwise: same layout, same data
-    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -70,7 +70,7 @@ def test_nproc2_ddp_matches_single_process(tmp_path) -> None:
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["world_size"] == 2 and ddp["mesh"]["dp_replicate"] == 2 and ddp["steps"] == 8
     assert len(ddp["losses"]) == len(single["losses"]) == 8
-    for a, b in zip(single["losses"], ddp["losses"]):
+    for a, b in zip(single["losses"], ddp["losses"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (single["losses"], ddp["losses"])
     assert "crosstrain: done: 8 steps on cpu x2" in proc.stdout
 

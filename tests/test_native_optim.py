@@ -192,7 +192,7 @@ def test_state_dict_round_trip_keeps_fp32_master():
     for m, o in ((model, opt), (clone, opt2)):
         m(x).float().pow(2).mean().backward()
         o.step()
-    for a, b in zip(model.parameters(), clone.parameters()):
+    for a, b in zip(model.parameters(), clone.parameters(), strict=True):
         assert torch.equal(a, b)
         assert torch.equal(opt.state[a]["master"], opt2.state[b]["master"])
 

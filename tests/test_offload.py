@@ -41,12 +41,12 @@ def test_bf16_model_trains_with_fp32_masters_matching_a_reference(stage):
         losses.append(loss.item())
         _loss(ref_model, step).backward()
         with torch.no_grad():
-            for p, m, (ea, eas) in zip(ref_model.parameters(), masters, moments):
+            for p, m, (ea, eas) in zip(ref_model.parameters(), masters, moments, strict=True):
                 adamw_step(m, p.grad.float(), ea, eas, step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
                            weight_decay=0.1)
                 p.copy_(m)
                 p.grad = None
-    for p, m in zip(model.parameters(), masters):
+    for p, m in zip(model.parameters(), masters, strict=True):
         state = opt.state[p]
         assert state["master"].dtype == torch.float32 and state["master"].device.type == "cpu"
         torch.testing.assert_close(state["master"], m, rtol=1e-5, atol=1e-6)
@@ -76,7 +76,7 @@ def test_staged_and_host_paths_agree_for_fp32_and_sgd():
         _loss(ref, step).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    for a, b, r in zip(*results, ref.parameters()):
+    for a, b, r in zip(*results, ref.parameters(), strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, r.detach(), rtol=1e-5, atol=1e-6)
 
@@ -106,7 +106,7 @@ def test_config_construction_lr_changes_and_state_dict_round_trip():
     for m, o in ((model, opt), (clone, opt2)):
         _loss(m, 9).backward()
         o.step()
-    for a, b in zip(model.parameters(), clone.parameters()):
+    for a, b in zip(model.parameters(), clone.parameters(), strict=True):
         assert torch.equal(a, b)
         assert torch.equal(opt.state[a]["master"], opt2.state[b]["master"])
         assert opt2.state[b]["step"].item() == 4

@@ -181,9 +181,10 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _check(result: dict[str, Any], reference: dict[str, Any]) -> None:
     assert result["master_fp32"]
-    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+    assert reference["losses"] and reference["norms"], "the single-process reference recorded no steps"
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
         assert math.isclose(got, want, rel_tol=REL), f"step {step}: loss {got} != single-process {want}"
-    for step, (got, want) in enumerate(zip(result["norms"], reference["norms"])):
+    for step, (got, want) in enumerate(zip(result["norms"], reference["norms"], strict=True)):
         assert math.isclose(got, want, rel_tol=REL), f"step {step}: grad norm {got} != single-process {want}"
     assert math.isclose(result["eval"], reference["eval"], rel_tol=REL), "eval_loss after training"
     # every rank reports the same loss and holds the same full state
@@ -222,7 +223,8 @@ def test_four_rank_layout_matches_single_process(layout, results4, reference):
 def test_low_precision_layout_tracks_fp32(layout, results2, reference):
     result = results2[layout]
     assert result["master_fp32"], "parameters (the optimizer's master weights) must stay fp32"
-    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+    assert reference["losses"], "the single-process reference recorded no steps"
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
         assert math.isfinite(got) and math.isclose(got, want, rel_tol=MIXED_REL), f"step {step}: {got} vs {want}"
     assert all(losses == result["losses"] for losses in result["all_losses"])
     assert len(set(result["digests"])) == 1

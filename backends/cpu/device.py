@@ -1,76 +1,22 @@
-"""The CPU device: process memory from /proc, GEMM peak measured once and cached."""
+"""The CPU device: process memory from /proc, matmul peak measured and cached (:mod:`.peak`)."""
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import resource
-import time
-from pathlib import Path
+import warnings
 
 import torch
 
+from crosstrain.backends.cpu import peak
 from crosstrain.device import Availability, Device, MemoryStats
+from crosstrain.hostmem import current_rss, peak_rss, reset_peak_rss, total_memory
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+#: a low-precision dtype whose matmuls reach under this share of fp32's speed gets a warning
+SLOW_PRECISION_RATIO = 0.5
 
 
-def current_rss() -> int:
-    """Resident set size of this process in bytes."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * _PAGE
-    except OSError:
-        return peak_rss()
-
-
-def peak_rss() -> int:
-    """Peak resident set size since start or the last reset, in bytes."""
-    hwm = _status_kib("VmHWM")
-    if hwm is not None:
-        return hwm * 1024
-    scale = 1 if platform.system() == "Darwin" else 1024
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
-
-
-def total_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _cache_file() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "crosstrain" / "cpu_peak_flops.json"
-
-
-def measure_gemm_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.3) -> float:
-    """Best observed FLOP/s of an ``n x n`` matmul in ``dtype`` on this process's threads."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    torch.mm(a, b)
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        dt = time.perf_counter() - t0
-        best = max(best, 4 * 2 * n**3 / dt)
-    return best
+class SlowPrecisionWarning(UserWarning):
+    """The chosen precision runs far slower than fp32 on this CPU."""
 
 
 class CpuDevice(Device):
@@ -81,7 +27,8 @@ class CpuDevice(Device):
     visible_devices_env = None
 
     def __init__(self) -> None:
-        self._peaks: dict[str, float] = {}
+        self._peaks: dict[str, peak.Peak] = {}
+        self._remeasure = False
 
     def availability(self) -> Availability:
         return Availability(True, "")
@@ -106,12 +53,7 @@ class CpuDevice(Device):
         return MemoryStats(allocated=rss, reserved=rss, peak=max(peak_rss(), rss), total=total_memory())
 
     def reset_peak_memory_stats(self) -> None:
-        # Linux: writing 5 to clear_refs resets VmHWM to the current RSS.
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-        except OSError:
-            pass
+        reset_peak_rss()
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()
@@ -129,27 +71,29 @@ class CpuDevice(Device):
         return torch.bfloat16
 
     def peak_flops(self, dtype: torch.dtype) -> float:
-        """Measured GEMM FLOP/s for ``dtype`` with the current thread count, cached on disk per host."""
-        override = os.environ.get("CROSSTRAIN_PEAK_FLOPS")
-        if override:
-            return float(override)
-        key = f"{platform.machine()}-{platform.node()}-{torch.get_num_threads()}t-{dtype}".replace("torch.", "")
-        if key in self._peaks:
-            return self._peaks[key]
-        path = _cache_file()
-        cache: dict[str, float] = {}
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}
-        if key not in cache:
-            cache[key] = measure_gemm_flops(dtype)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-                os.replace(tmp, path)
-            except OSError:
-                pass
-        self._peaks[key] = float(cache[key])
-        return self._peaks[key]
+        """Measured ``F.linear`` FLOP/s for ``dtype`` on the current thread count (see :mod:`.peak`)."""
+        return self._peak(dtype).flops
+
+    def peak_flops_source(self, dtype: torch.dtype) -> str:
+        return self._peak(dtype).source
+
+    def remeasure_peak_flops(self) -> None:
+        self._peaks.clear()
+        self._remeasure = True
+
+    def _peak(self, dtype: torch.dtype) -> peak.Peak:
+        if os.environ.get(peak.ENV_OVERRIDE):
+            return peak.peak(dtype)  # read each time: it may be set after the first run of this process
+        name = peak.key(dtype, torch.get_num_threads())
+        if name not in self._peaks:
+            self._peaks[name] = found = peak.peak(dtype, remeasure=self._remeasure)
+            if dtype != torch.float32:
+                self._warn_if_slow(dtype, found.flops)
+        return self._peaks[name]
+
+    def _warn_if_slow(self, dtype: torch.dtype, flops: float) -> None:
+        fp32 = self._peak(torch.float32).flops
+        if flops < SLOW_PRECISION_RATIO * fp32 and os.environ.get("RANK", "0") == "0":
+            warnings.warn(f"{peak.dtype_name(dtype)} matrix multiplies run at {flops / 1e9:.1f} GFLOP/s on this CPU, "
+                          f"{fp32 / max(flops, 1.0):.1f}x slower than fp32 ({fp32 / 1e9:.1f} GFLOP/s); "
+                          "precision.dtype=fp32 trains faster here", SlowPrecisionWarning, stacklevel=2)

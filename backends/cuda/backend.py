@@ -5,6 +5,7 @@ from __future__ import annotations
 from crosstrain.backend import Backend
 from crosstrain.backends.triton import triton_installed
 from crosstrain.device import Device
+from crosstrain.diagnostics import env_lines, package_lines
 from crosstrain.kernels import KernelRegistry
 
 #: what every GPU this backend drives offers; hardware-dependent flags are adjusted by ``capabilities``.
@@ -16,6 +17,11 @@ class GpuBackend(Backend):
 
     priority = 100
     base_capabilities = GPU_CAPABILITIES
+    #: ``torch.version`` attribute naming the GPU toolkit this torch was built with, for ``crosstrain doctor``.
+    torch_build_attr = "cuda"
+    #: environment variables ``crosstrain doctor`` shows when set.
+    doctor_env: tuple[str, ...] = ("CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG",
+                                   "TRITON_INTERPRET")
 
     @property  # type: ignore[override]
     def capabilities(self) -> frozenset[str]:
@@ -47,6 +53,13 @@ class GpuBackend(Backend):
             return drop, add
         self.__dict__["_hw_caps"] = (drop, add)
         return drop, add
+
+    def doctor_lines(self) -> list[tuple[str, str]]:
+        import torch
+
+        build = getattr(torch.version, self.torch_build_attr, None)
+        return [(f"torch.version.{self.torch_build_attr}", str(build) if build else "none (not a GPU build of torch)"),
+                *package_lines("triton"), *env_lines(*self.doctor_env)]
 
     def register_kernels(self, registry: KernelRegistry) -> None:
         from crosstrain.backends.triton.register import register_triton_kernels

@@ -9,6 +9,10 @@ from crosstrain.device import Device
 class RocmBackend(GpuBackend):
     name = "rocm"
     install_hint = "rocm"
+    torch_build_attr = "hip"
+    # HIP honours all three visibility variables (see RocmDevice.visible_devices).
+    doctor_env = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG", "TRITON_INTERPRET")
 
     def make_device(self) -> Device:
         from crosstrain.backends.rocm.device import RocmDevice

@@ -102,6 +102,41 @@ def supports_linear_cross_entropy(device_type: str) -> Callable[..., bool]:
     return supports
 
 
+def supports_grouped_mm(device_type: str) -> Callable[..., bool]:
+    def supports(x: torch.Tensor, weights: torch.Tensor, tokens_per_group: torch.Tensor) -> bool:
+        return (
+            _ok(x, device_type) and _ok(weights, device_type) and x.dim() == 2 and weights.dim() == 3
+            and x.dtype == weights.dtype and x.shape[1] == weights.shape[1]
+            and type(tokens_per_group) is torch.Tensor and tokens_per_group.dim() == 1
+            and not tokens_per_group.is_floating_point() and tokens_per_group.shape[0] == weights.shape[0]
+        )
+
+    return supports
+
+
+def supports_moe_permute(device_type: str) -> Callable[..., bool]:
+    def supports(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> bool:
+        return (
+            _ok(tokens, device_type) and tokens.dim() == 2 and type(expert_ids) is torch.Tensor
+            and expert_ids.device == tokens.device and not expert_ids.is_floating_point()
+            and expert_ids.dim() in (1, 2) and expert_ids.shape[0] == tokens.shape[0]
+        )
+
+    return supports
+
+
+def supports_moe_unpermute(device_type: str) -> Callable[..., bool]:
+    def supports(permuted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> bool:
+        return (
+            _ok(permuted, device_type) and permuted.dim() == 2 and type(weights) is torch.Tensor
+            and weights.dim() == 2 and weights.device == permuted.device and weights.is_floating_point()
+            and type(order) is torch.Tensor and order.dim() == 1 and order.numel() == permuted.shape[0]
+            and weights.numel() == permuted.shape[0]
+        )
+
+    return supports
+
+
 #: op -> (kernel module, function, supports-predicate factory)
 TRITON_OPS: dict[str, tuple[str, str, Callable[[str], Callable[..., bool]]]] = {
     "rms_norm": ("rms_norm", "rms_norm", supports_rms_norm),
@@ -109,6 +144,9 @@ TRITON_OPS: dict[str, tuple[str, str, Callable[[str], Callable[..., bool]]]] = {
     "swiglu": ("swiglu", "swiglu", supports_swiglu),
     "cross_entropy": ("cross_entropy", "cross_entropy", supports_cross_entropy),
     "linear_cross_entropy": ("cross_entropy", "linear_cross_entropy", supports_linear_cross_entropy),
+    "grouped_mm": ("grouped_mm", "grouped_mm", supports_grouped_mm),
+    "moe_permute": ("moe_permute", "moe_permute", supports_moe_permute),
+    "moe_unpermute": ("moe_permute", "moe_unpermute", supports_moe_unpermute),
 }
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from crosstrain.checkpoint import space
 from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal
 from crosstrain.checkpoint.interface import Checkpointer, SaveHandle
 from crosstrain.checkpoint.manifest import (
@@ -105,8 +106,12 @@ class Prepared:
 class DCPCheckpointer(Checkpointer):
     """Sharded checkpoints through DCP. Every rank of ``process_group`` calls save/load with its shards."""
 
-    #: the DCP storage writer class (tests substitute one that fails, to inject storage faults)
+    #: the DCP storage writer class, called as ``writer_factory(folder, thread_count=N)``; it must record
+    #: ``digests`` for the manifest like :class:`HashingFileSystemWriter`. Backends subclass to change storage;
+    #: tests substitute one that fails, to inject storage faults.
     writer_factory: Any = HashingFileSystemWriter
+    #: the DCP storage reader class, called as ``reader_factory(folder)``; it must refuse pickled items.
+    reader_factory: Any = SafeFileSystemReader
 
     def __init__(self, process_group: Any = None, *, thread_count: int = 1) -> None:
         self.group = process_group
@@ -169,13 +174,23 @@ class DCPCheckpointer(Checkpointer):
             dist.all_gather_object(out, payload, group=group)
             return out
 
+        needed = space.estimate_bytes(prepared.tensors)
+
+        def raise_failed(r: int, what: str, e: str, cause: BaseException | None) -> None:
+            # whatever failed, the partial folder goes: on a full disk it holds the space a retry needs
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if space.looks_like_no_space(e, final.parent, needed):
+                raise space.no_space(final.parent, needed, rank=r if distributed else None) from cause
+            raise CheckpointError(f"saving {final} failed on rank {r} while {what}: {e}") from cause
+
         def agree(error: BaseException | None, what: str) -> None:
             errors = exchange(None if error is None else f"{type(error).__name__}: {error}")
             for r, e in enumerate(errors):
                 if e is not None:
-                    raise CheckpointError(f"saving {final} failed on rank {r} while {what}: {e}") from error
+                    raise_failed(r, what, e, error)
 
-        error: BaseException | None = failed
+        error: BaseException | None = failed or space.check(final.parent, needed)
         if rank == 0 and error is None:
             try:
                 if tmp.exists():
@@ -185,9 +200,12 @@ class DCPCheckpointer(Checkpointer):
                 error = exc
         agree(error, "preparing (staging to host memory, creating the folder)")
         writer = self.writer_factory(tmp, thread_count=self.thread_count)
-        with without_zip_crc32():
-            call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,
-                     no_dist=not distributed)
+        try:
+            with without_zip_crc32():
+                call_dcp(f"saving {final}", dcp.save, prepared.tensors, storage_writer=writer, process_group=group,
+                         no_dist=not distributed)
+        except CheckpointError as exc:  # DCP told every rank which rank failed
+            raise_failed(getattr(exc, "rank", rank), "writing tensors", getattr(exc, "detail", str(exc)), None)
         files = {name: {"sha256": d, "bytes": n} for name, (d, n) in writer.digests.items()}
         try:
             if prepared.local is not None:
@@ -202,7 +220,7 @@ class DCPCheckpointer(Checkpointer):
         gathered = exchange((files, None if error is None else f"{type(error).__name__}: {error}"))
         for r, (_, e) in enumerate(gathered):
             if e is not None:
-                raise CheckpointError(f"saving {final} failed on rank {r} while writing JSON: {e}") from error
+                raise_failed(r, "writing JSON", e, error)
         manifest = None
         if rank == 0:
             try:
@@ -285,7 +303,7 @@ class DCPCheckpointer(Checkpointer):
                     dcp_sd[p] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
             pending.append((key, obj, skeleton))
         distributed = dist.is_initialized() and world > 1
-        call_dcp(f"loading {folder}", dcp.load, dcp_sd, storage_reader=SafeFileSystemReader(folder),
+        call_dcp(f"loading {folder}", dcp.load, dcp_sd, storage_reader=self.reader_factory(folder),
                  planner=SafeLoadPlanner(), process_group=group, no_dist=not distributed)
         for key, obj, skeleton in pending:
             tree = unflatten(skeleton, dcp_sd)

@@ -20,21 +20,26 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from crosstrain.checkpoint.dcp import CheckpointWarning, DCPCheckpointer, Prepared
+from crosstrain.checkpoint.backend_storage import backend_checkpointer
+from crosstrain.checkpoint.dcp import CheckpointWarning, Prepared
 from crosstrain.checkpoint.manifest import Manifest, atomic_write
 from crosstrain.checkpoint.retention import to_delete
 from crosstrain.checkpoint.staging import HostStager
 from crosstrain.checkpoint.verify import verify
 from crosstrain.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from crosstrain.backend import Backend
+
 log = logging.getLogger("crosstrain.checkpoint")
 
 LATEST_FILE = "latest"
+BEST_FILE = "best"  # names the checkpoint with the best eval loss (checkpoint.keep_best)
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -64,11 +69,31 @@ def step_dirs(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return sorted(out, key=lambda sp: -sp[0])
 
 
-def read_latest_pointer(folder: str | os.PathLike[str]) -> str | None:
+def looks_like_step_dir(path: Path) -> bool:
+    """``step_N`` or an uncommitted ``step_N.tmp``: a checkpoint folder, not a folder of them."""
+    return bool(_STEP_RE.match(path.name) or _STEP_RE.match(path.name.removesuffix(".tmp")))
+
+
+def read_pointer(folder: str | os.PathLike[str], name: str) -> str | None:
+    """The ``step_N`` name a pointer file (``latest``, ``best``) holds, or None."""
     try:
-        return (Path(folder) / LATEST_FILE).read_text().strip() or None
+        return (Path(folder) / name).read_text().strip() or None
     except OSError:
         return None
+
+
+def read_latest_pointer(folder: str | os.PathLike[str]) -> str | None:
+    return read_pointer(folder, LATEST_FILE)
+
+
+def find_best(folder: str | os.PathLike[str]) -> CheckpointInfo | None:
+    """The checkpoint ``best`` names (``checkpoint.keep_best``), verified, or None if there is none or it is bad."""
+    name = read_pointer(folder, BEST_FILE)
+    match = _STEP_RE.match(name or "")
+    if not match:
+        return None
+    path = Path(folder) / str(name)
+    return CheckpointInfo(int(match.group(1)), path, True) if verify(path).ok else None
 
 
 def first_valid(candidates: list[tuple[int, Path]], problems_of: Callable[[Path], list[str]], *,
@@ -97,11 +122,14 @@ class CheckpointManager:
     returns (or returns at once and stages on the background thread up to :meth:`fence`, see
     :meth:`save`); a background thread writes and commits. At most one save is in flight; a failure surfaces
     from the next ``save``/``wait``/``check_background`` on every rank (agreed with an all-reduce).
+
+    Bytes are written and read through ``backend.checkpointer()`` (default: the active backend's), so a
+    backend's storage is used for every trainer checkpoint.
     """
 
     def __init__(self, folder: str | os.PathLike[str], *, keep_last: int = 3, keep_every: int = 0,
                  async_save: bool = False, collective: Any = None, thread_count: int = 1,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, backend: Backend | None = None) -> None:
         self.folder = Path(folder)
         self.keep_last = int(keep_last)
         self.keep_every = int(keep_every)
@@ -120,7 +148,8 @@ class CheckpointManager:
         self._group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         self._bg_group = (dist.new_group(backend="gloo", timeout=timeout)
                           if self.distributed and self.async_save else None)
-        self._checkpointer = DCPCheckpointer(self._group, thread_count=thread_count)
+        # the backend's storage (default: the active backend's; the core's DCP checkpointer unless it overrides it)
+        self._checkpointer = backend_checkpointer(backend, self._group, thread_count=thread_count)
         # async: a writer thread writes and commits; a helper thread stages (fence() waits for it) and launches
         # the per-step agreements, so that the training thread hands nothing to the OS in the common case
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save") if async_save else None
@@ -132,15 +161,22 @@ class CheckpointManager:
         self._check: tuple[torch.Tensor, Future[Any] | None, BaseException | None] | None = None
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-delete")
         self._pending_step: int | None = None
+        self._best_pending: int | None = None
         self.last_saved_step: int | None = None
+        #: steps retention keeps whatever keep_last says (see :meth:`protect_newest`)
+        self.protected: set[int] = set()
         if self.rank == 0:
             self._recover_folder()
         if self.distributed:
             dist.barrier(group=self._group)
 
     # -- saving ---------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], *, stage_later: Collection[str] = ()) -> None:
+    def save(self, step: int, state: Mapping[str, Any], *, stage_later: Collection[str] = (),
+             best: bool = False) -> None:
         """Save ``state`` as ``step_{step}`` (all ranks call).
+
+        ``best``: once committed, ``best`` names this checkpoint and retention keeps it until another one is
+        saved as best (``checkpoint.keep_best``).
 
         Async mode returns once tensors are staged to host memory, except the tensors of the entries named
         in ``stage_later``: those are copied on the background thread, and the caller must call
@@ -148,6 +184,8 @@ class CheckpointManager:
         forward and backward only read parameters and optimizer state). Synchronous mode ignores it.
         """
         self.wait()
+        if best:
+            self._best_pending = step
         prepared = self._checkpointer.prepare(state, step)
         if self._executor is None:
             self._write(prepared, self._group)
@@ -160,6 +198,18 @@ class CheckpointManager:
         self._staged = self._helper.submit(self._stager.stage, later)
         self._pending_step = step
         self._pending = self._executor.submit(self._write_staged, prepared, self._staged)
+
+    def protect_newest(self) -> int | None:
+        """Keep the newest checkpoint saved so far (in flight, or on disk, e.g. the one resumed from) from
+        retention for the rest of this manager's life; a trainer calls it when training starts to go wrong,
+        so that the checkpoints of a diverging model cannot push the last good one out. Returns its step."""
+        step = self._pending_step if self._pending_step is not None else self.last_saved_step
+        if step is None:
+            found = step_dirs(self.folder)
+            step = found[0][0] if found else None
+        if step is not None:
+            self.protected.add(step)
+        return step
 
     def _write_staged(self, prepared: Prepared, staged: Future[dict[str, torch.Tensor]]) -> None:
         failed: BaseException | None = None
@@ -183,9 +233,13 @@ class CheckpointManager:
     def _on_commit(self, path: Path, manifest: Manifest) -> None:
         """Rank 0, right after ``path`` was committed: move ``latest`` and apply retention."""
         atomic_write(self.folder / LATEST_FILE, f"{path.name}\n".encode())
+        if self._best_pending == manifest.step:
+            atomic_write(self.folder / BEST_FILE, f"{path.name}\n".encode())
+        best = read_pointer(self.folder, BEST_FILE)
+        protect = (manifest.step,) + ((int(best[len("step_"):]),) if best and _STEP_RE.match(best) else ())
+        protect += tuple(self.protected)
         steps = [s for s, _ in step_dirs(self.folder)]
-        for step in to_delete(steps, keep_last=self.keep_last, keep_every=self.keep_every,
-                              protect=(manifest.step,)):
+        for step in to_delete(steps, keep_last=self.keep_last, keep_every=self.keep_every, protect=protect):
             victim = self.folder / f"step_{step}"
             doomed = victim.with_name(victim.name + ".deleting")
             try:
@@ -342,6 +396,8 @@ class CheckpointManager:
                     shutil.rmtree(child, ignore_errors=True)
             elif (name.endswith(".tmp") or name.endswith(".deleting")) and name.startswith("step_"):
                 shutil.rmtree(child, ignore_errors=True)
+            elif name in (f"{LATEST_FILE}.tmp", f"{BEST_FILE}.tmp") and child.is_file():
+                child.unlink(missing_ok=True)  # a pointer rewrite cut short: the pointer itself is intact
 
 
 def resolve(info_or_path: CheckpointInfo | str | os.PathLike[str]) -> CheckpointInfo:

@@ -137,7 +137,9 @@ def call_dcp(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
                 raise CheckpointError(str(err)) from None
         rank, (err, _trace) = sorted(exc.failures.items())[0]
         first = str(err).splitlines()[0] if str(err) else ""
-        raise CheckpointError(f"{what} failed on rank {rank}: {type(err).__name__}: {first}") from None
+        failure = CheckpointError(f"{what} failed on rank {rank}: {type(err).__name__}: {first}")
+        failure.rank, failure.detail = rank, f"{type(err).__name__}: {first}"  # type: ignore[attr-defined]
+        raise failure from None
 
 
 # -- writing -------------------------------------------------------------------------------------------

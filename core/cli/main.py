@@ -6,17 +6,26 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from crosstrain import __version__
 from crosstrain.errors import CrosstrainError
 
 #: core subcommand modules under ``crosstrain.cli.commands``; each defines ``add_parser(subparsers)``.
-CORE_COMMANDS = ("train", "data", "checkpoint", "backends", "kernels", "doctor")
+CORE_COMMANDS = ("train", "eval", "data", "tokenizer", "checkpoint", "backends", "kernels", "doctor")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors, like every other crosstrain error (subcommands inherit it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"crosstrain: error: {self.prog}: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="crosstrain", description="Train on whatever accelerator you have.")
+    parser = _Parser(prog="crosstrain", description="Train on whatever accelerator you have.")
     parser.add_argument("--version", action="version", version=f"crosstrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log plugin discovery and backend choice")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -35,8 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
+    """crosstrain's own warnings (a skipped corrupt checkpoint, ...) read as one line, like its errors."""
+    if category.__module__.startswith("crosstrain"):
+        return f"crosstrain: warning: {message}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
+_python_format_warning = warnings.formatwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    warnings.formatwarning = _format_warning
     logging.basicConfig(level=logging.INFO if "-v" in args_list or "--verbose" in args_list else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()

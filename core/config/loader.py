@@ -146,6 +146,13 @@ def check_static(config: Config) -> None:
     t, m = config.train, config.model
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
+    if m.import_path and m.init_from:
+        raise ConfigError("model.init_from loads weights into the built-in GPT; it cannot be combined with "
+                          "model.import_path (load them in your own build function instead)")
+    if config.data.tokenizer and not config.data.path:
+        raise ConfigError(f"data.tokenizer={config.data.tokenizer!r} needs a token file prepared with it: run "
+                          f"'crosstrain data prepare [FILES] --tokenizer {config.data.tokenizer} --out data.bin' (no "
+                          "files = the embedded corpus) and set data.path=data.bin")
     if m.import_path:
         _import_target(m.import_path)
     else:
@@ -170,16 +177,53 @@ def check_static(config: Config) -> None:
 
 
 def gpt_config(config: Config) -> Any:
-    """The :class:`~crosstrain.models.gpt.GPTConfig` of a built-in preset with the model.* overrides."""
+    """The :class:`~crosstrain.models.gpt.GPTConfig` of a built-in preset with the model.* overrides (vocabulary
+    from ``data.tokenizer`` when set), or of the ``model.init_from`` checkpoint."""
     from crosstrain.models.gpt import PRESETS, GPTConfig
 
     m = config.model
+    if m.init_from and not _crosstrain_weights(m.init_from):
+        return _pretrained_gpt_config(config)
     base = PRESETS[m.preset].to_dict()
-    for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings"):
+    if config.data.tokenizer:  # the vocabulary follows the tokenizer unless model.vocab_size says otherwise
+        from crosstrain.data.hf_tokenizer import describe_tokenizer
+
+        base["vocab_size"] = describe_tokenizer(config.data.tokenizer)["vocab_size"]
+    for key in ("vocab_size", *_SHAPE_KEYS):
         value = getattr(m, key)
         if value is not None:
             base[key] = value
     return GPTConfig(**base)
+
+
+def _crosstrain_weights(path: str) -> bool:
+    """``model.init_from`` names crosstrain weights (FILE.safetensors, or a run or checkpoint folder, which has no
+    HF config.json): the shape then comes from model.* as for a fresh model."""
+    from crosstrain.models.hf import is_hf_folder
+
+    p = Path(path)
+    return p.suffix == ".safetensors" or (p.is_dir() and not is_hf_folder(p))
+
+
+_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings", "qkv_bias")
+
+
+def _pretrained_gpt_config(config: Config) -> Any:
+    """``model.init_from``: the shape is the checkpoint's config.json; only ``max_seq_len`` may be changed."""
+    import dataclasses
+
+    from crosstrain.models.hf import pretrained_config
+
+    m = config.model
+    if not Path(m.init_from).is_dir():
+        raise ConfigError(f"model.init_from {m.init_from!r} is not a folder; point it at a Hugging Face model folder "
+                          "(config.json + *.safetensors)")
+    fixed = [k for k in ("vocab_size", *_SHAPE_KEYS) if k != "max_seq_len" and getattr(m, k) is not None]
+    if fixed:
+        raise ConfigError(f"model.{fixed[0]} cannot be combined with model.init_from (the shape comes from "
+                          f"{m.init_from}/config.json); remove model.{fixed[0]}")
+    cfg = pretrained_config(m.init_from)
+    return dataclasses.replace(cfg, max_seq_len=m.max_seq_len) if m.max_seq_len else cfg
 
 
 def check_world(config: Config, world_size: int) -> Any:
@@ -202,8 +246,11 @@ def check_world(config: Config, world_size: int) -> Any:
 
 
 def save_config(config: Config, folder: str | os.PathLike[str]) -> None:
-    """Write the effective config as ``config.toml`` and ``config.json`` into ``folder``."""
+    """Write the effective config as ``config.toml`` and ``config.json`` into ``folder``, each atomically
+    (a reader, or a run killed mid-write, sees the old file or the new one, never half of one)."""
+    from crosstrain.checkpoint.manifest import atomic_write
+
     data = config.to_dict()
     folder = Path(folder)
-    (folder / "config.toml").write_text(dumps_toml(data))
-    (folder / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+    atomic_write(folder / "config.toml", dumps_toml(data).encode())
+    atomic_write(folder / "config.json", (json.dumps(data, indent=2) + "\n").encode())

@@ -7,9 +7,9 @@ embedded corpus, tuned to reach well under 60% of the initial loss in about a mi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Section(BaseModel):
@@ -20,6 +20,7 @@ class Section(BaseModel):
 
 class TrainConfig(Section):
     steps: int = Field(default=400, ge=1, description="optimizer steps")
+    recipe: str = Field(default="lm", description='what is trained and how: "lm" (pretraining) or a plugin\'s recipe')
     seed: int = Field(default=0, ge=0)
     batch_size: int = Field(default=16, ge=1, description="global sequences per optimizer step")
     seq_len: int = Field(default=128, ge=2)
@@ -40,19 +41,32 @@ class ModelConfig(Section):
     ffn_dim: int | None = Field(default=None, ge=0)
     max_seq_len: int | None = Field(default=None, ge=1)
     tie_embeddings: bool | None = None
+    qkv_bias: bool | None = Field(default=None, description="biases on the q/k/v projections (as in Qwen2)")
+    init_from: str = Field(default="", description="a Hugging Face model folder (Llama, Mistral, Qwen2): its "
+                           "config.json gives the GPT's shape and its safetensors the initial weights; or a "
+                           "crosstrain RUN_DIR, CHECKPOINT_DIR or FILE.safetensors (shape from model.*)")
     options: dict[str, Any] = Field(default_factory=dict, description="free-form arguments for a user model")
 
 
 class DataConfig(Section):
     path: str = Field(default="", description='token file from "crosstrain data prepare" ("" = the embedded corpus)')
     shuffle: bool = True
+    val_fraction: float = Field(default=0.05, ge=0, lt=1, description="share of documents held out for evaluation "
+                                "(whole documents from the end of the data)")
+    val_path: str = Field(default="", description="a separate validation token file (replaces the held-out split)")
+    tokenizer: str = Field(default="", description='"" (bytes) or a folder with a tokenizer.json; data.path must '
+                           "have been prepared with it, and export and generation use it")
+    packing: Literal["concat", "documents"] = Field(default="concat", description='"documents": attention stays '
+                                                    "inside each document and positions restart at its start")
+    skip_bad_rows: bool = Field(default=False, description="JSONL recipes (sft/rm/dpo): skip malformed rows, counted, "
+                                "instead of stopping at the first one")
 
 
 class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(default=3e-3, gt=0)
     weight_decay: float = Field(default=0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     eps: float = Field(default=1e-8, gt=0)
     momentum: float = Field(default=0.9, ge=0, description="SGD only")
     grad_clip: float = Field(default=1.0, ge=0, description="max global grad norm (0 = no clipping)")
@@ -70,7 +84,7 @@ class ParallelConfig(Section):
     dp_shard: int = Field(default=-1, ge=-1, description="-1 = whatever the other dims leave of the world size")
     tp: int = Field(default=1, ge=1)
     pp: int = Field(default=1, ge=1)
-    ep: int = Field(default=1, ge=1, le=1, description="reserved for the MoE plugin; must be 1")
+    ep: int = Field(default=1, ge=1, description="expert parallel; carved from dp_shard, so it must divide it")
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     pp_microbatches: int = Field(default=0, ge=0, description="0 = one per pipeline stage")
     activation_checkpoint: str = Field(default="none", pattern=r"^(none|full|every:[1-9][0-9]*)$")
@@ -87,12 +101,23 @@ class CheckpointConfig(Section):
     every: int = Field(default=0, ge=0, description="save every N steps (0 = off)")
     keep_last: int = Field(default=3, ge=1)
     keep_every: int = Field(default=0, ge=0)
+    keep_best: bool = Field(default=False, description="retention never deletes the checkpoint with the best eval "
+                            "loss (evaluated at every save)")
     async_save: bool = Field(default=False, alias="async")
+    final: bool = Field(default=True, description="save a checkpoint when the run ends (a preempted run always saves)")
     resume: str = Field(default="auto", description='"auto" (latest in the run dir), "never", or a checkpoint path')
+
+
+class EvalConfig(Section):
+    every: int = Field(default=100, ge=0, description="evaluate every N steps and after the last (0 = off)")
+    steps: int = Field(default=0, ge=0, description="batches per evaluation (0 = the whole validation split)")
+    batch_size: int = Field(default=0, ge=0, description="sequences per eval batch (0 = train.batch_size)")
 
 
 class FaultConfig(Section):
     max_consecutive_nonfinite: int = Field(default=3, ge=1, description="roll back after N skipped steps in a row")
+    max_rollbacks: int = Field(default=3, ge=0, description="stop with an error when training diverges again after "
+                               "N rollbacks in one run")
     collective_timeout_s: float = Field(default=600.0, gt=0)
 
 
@@ -106,6 +131,31 @@ class KernelsConfig(Section):
     mode: Literal["auto", "reference"] = "auto"
 
 
+class ObservabilityConfig(Section):
+    """``[observability]``: per-rank metrics, stragglers, hang dumps, Prometheus (docs/observability.md)."""
+
+    per_rank: bool = Field(default=True, description="every rank appends its step times and memory to "
+                           "ranks/metrics.rank<N>.jsonl (no collective); rank 0 reports stragglers")
+    straggler_fraction: float = Field(default=0.5, gt=0, description="a rank busier than the median by this "
+                                      "fraction ...")
+    straggler_steps: int = Field(default=5, ge=1, description="... for this many steps in a row is a straggler")
+    straggler_min_s: float = Field(default=0.01, ge=0, description="... and by at least this many seconds")
+    hang_dump_s: float = Field(default=0.0, ge=0, description="write every rank's Python stacks to hangs/ when no "
+                               "step completes for this many seconds (0 = off; < fault.collective_timeout_s)")
+    profile_steps: str = Field(default="", pattern=r"^([1-9][0-9]*:[1-9][0-9]*)?$", description="A:B (2 <= A <= B): "
+                               "a torch.profiler trace of steps A..B on every rank in profile/ (--profile-steps)")
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _steps_in_order(cls, value: str) -> str:
+        if value and not 2 <= int(value.split(":")[0]) <= int(value.split(":")[1]):
+            raise ValueError(f"{value!r}: need A:B with 2 <= A <= B (the profiler starts when step A-1 ends)")
+        return value
+    prometheus_port: int = Field(default=0, ge=0, le=65535, description="serve metrics for Prometheus on this "
+                                 "port from rank 0 (0 = off; needs the observability extra)")
+    prometheus_host: str = Field(default="127.0.0.1", description='address to serve on ("0.0.0.0": every interface)')
+
+
 #: core sections, in the order they are written to config.toml.
 CORE_SECTIONS: dict[str, type[Section]] = {
     "train": TrainConfig,
@@ -116,9 +166,11 @@ CORE_SECTIONS: dict[str, type[Section]] = {
     "parallel": ParallelConfig,
     "precision": PrecisionConfig,
     "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
     "fault": FaultConfig,
     "logging": LoggingConfig,
     "kernels": KernelsConfig,
+    "observability": ObservabilityConfig,
 }
 
 
@@ -136,9 +188,11 @@ class Config(BaseModel):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     plugins: dict[str, BaseModel] = Field(default_factory=dict)
 
     def section(self, name: str) -> BaseModel:

@@ -27,6 +27,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not text (TOML is UTF-8); pass a TOML config file") from None
 
 
 def parse_value(text: str) -> Any:

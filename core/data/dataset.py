@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -38,4 +41,53 @@ def build_dataset(path: str, seq_len: int) -> TokenDataset:
     from crosstrain.data.tokenfile import open_token_file
 
     tokens, vocab = open_token_file(path)
+    return TokenDataset(tokens, seq_len, vocab)
+
+
+def build_datasets(data_cfg: Any, seq_len: int) -> tuple[TokenDataset, TokenDataset | None, dict[str, Any]]:
+    """Training and validation datasets from a ``[data]`` section, and the split record for the run dir.
+
+    The validation part is ``data.val_path`` when set, else the last documents of the data
+    (``data.val_fraction``, see :mod:`crosstrain.data.split`); ``None`` when there is none.
+    """
+    from crosstrain.data.split import corpus_document_starts, split_documents
+
+    if not data_cfg.path:
+        from crosstrain.data.corpus import corpus_bytes, corpus_tokens
+
+        tokens, vocab, source = corpus_tokens(), 256, "embedded corpus"
+        starts: np.ndarray | None = corpus_document_starts(corpus_bytes())
+    else:
+        from crosstrain.data.tokenfile import document_starts, open_token_file
+
+        tokens, vocab = open_token_file(data_cfg.path)
+        source, starts = str(data_cfg.path), document_starts(data_cfg.path, tokens)
+    fraction = 0.0 if data_cfg.val_path else float(data_cfg.val_fraction)
+    if fraction and starts is None:
+        warnings.warn(f"data.path {source!r} records no document boundaries, so no validation split is held out; "
+                      "set data.val_path (or data.val_fraction=0 to silence this)", stacklevel=2)
+        fraction = 0.0
+    split = split_documents(tokens, starts, fraction)
+    info: dict[str, Any] = {"source": source, **split.info}
+    train = TokenDataset(split.train, seq_len, vocab)
+    val = None
+    if data_cfg.val_path:
+        from crosstrain.data.tokenfile import open_token_file
+
+        val_tokens, val_vocab = open_token_file(data_cfg.val_path)
+        if val_vocab > vocab:
+            raise ConfigError(f"data.val_path {data_cfg.val_path!r} has vocabulary {val_vocab}, larger than the "
+                              f"training data's {vocab}; prepare both with the same tokenizer")
+        val = _val_dataset(val_tokens, seq_len, vocab, f"data.val_path {data_cfg.val_path!r}")
+        info.update({"val_source": str(data_cfg.val_path), "val_tokens": int(len(val_tokens))})
+    elif split.val is not None:
+        val = _val_dataset(split.val, seq_len, vocab, f"the validation split of {source}")
+    info["val_samples"] = len(val) if val is not None else 0
+    return train, val, info
+
+
+def _val_dataset(tokens: np.ndarray, seq_len: int, vocab: int, what: str) -> TokenDataset:
+    if (len(tokens) - 1) // seq_len < 1:
+        raise ConfigError(f"{what} has {len(tokens)} tokens, too few for one sample of train.seq_len={seq_len}; "
+                          "raise data.val_fraction or lower train.seq_len")
     return TokenDataset(tokens, seq_len, vocab)

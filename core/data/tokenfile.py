@@ -52,8 +52,12 @@ def write_token_file(path: str | os.PathLike[str], chunks: Iterable[np.ndarray],
 
 def read_header(path: str | os.PathLike[str]) -> tuple[int, int, int]:
     """``(itemsize, num_tokens, vocab_size)`` of a token file; a bad file is a ConfigError naming it."""
-    with open(path, "rb") as fh:
-        raw = fh.read(HEADER.size)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(HEADER.size)
+    except OSError as exc:  # missing, a folder, unreadable
+        raise ConfigError(f"token file {str(path)!r} cannot be read ({exc.strerror}); write one with "
+                          "'crosstrain data prepare FILES --out data.bin'") from None
     if len(raw) < HEADER.size:
         raise ConfigError(f"data.path {str(path)!r} is not a crosstrain token file (too short)")
     magic, version, itemsize, count, vocab, _ = HEADER.unpack(raw)
@@ -71,3 +75,11 @@ def open_token_file(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
     itemsize, count, vocab = read_header(path)
     tokens = np.memmap(path, dtype=_DTYPES[itemsize], mode="r", offset=HEADER.size, shape=(count,))
     return tokens, vocab
+
+
+def document_starts(path: str | os.PathLike[str], tokens: np.ndarray) -> np.ndarray | None:
+    """Token offsets where the file's documents start, or None when the file records no boundaries (the
+    manifest ``crosstrain data prepare`` writes next to it: :mod:`crosstrain.data.manifest`)."""
+    from crosstrain.data.manifest import document_starts as from_manifest
+
+    return from_manifest(path, len(tokens))

@@ -1,8 +1,10 @@
-"""Metrics sinks: every per-step metric goes through :class:`MetricsHub` to each sink.
+"""Metrics sinks: every per-step metric and every event goes through :class:`MetricsHub` to each sink.
 
-Built-in sinks: ``metrics.jsonl`` in the run dir, the console (a rich progress bar on a TTY, plain lines
-otherwise) and TensorBoard when it is installed. Plugins add sinks with ``crosstrain_metrics_sinks``: any
-object with ``write(step, metrics)`` and ``close()``.
+Built-in sinks: ``metrics.jsonl`` and ``events.jsonl`` in the run dir, the console (a rich progress bar on a
+TTY, plain lines otherwise) and TensorBoard when it is installed. Plugins add sinks with
+``crosstrain_metrics_sinks``: any object with ``write(step, metrics)`` and ``close()``, and optionally
+``open(info: SinkInfo)`` (called once with the run dir, rank and resume step before the first record) and
+``event(step, name, fields)`` (resume, rollback, preemption, checkpoint, plugin events).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -20,6 +24,36 @@ class MetricsSink(Protocol):
     def write(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SinkInfo:
+    """What a sink learns about the run before its first record (``resume_step`` 0: a fresh run)."""
+
+    run_dir: Path
+    rank: int
+    world_size: int
+    resume_step: int
+
+
+class EventsFileSink:
+    """One JSON object per event in ``events.jsonl``: ``{"step", "event", "time", ...fields}``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._fh: TextIO | None = Path(path).open("a", buffering=1)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def event(self, step: int, name: str, fields: dict[str, Any]) -> None:
+        if self._fh is not None:
+            record = {"step": step, "event": name, "time": time.time(), **fields}
+            self._fh.write(json.dumps(record, default=str) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
 
 def _json_value(value: Any) -> Any:
@@ -158,18 +192,35 @@ class MetricsHub:
 
     def __init__(self, sinks: list[Any] | None = None) -> None:
         self.sinks: list[Any] = list(sinks or [])
+        self.opened = False
 
     def add(self, sink: Any) -> None:
         self.sinks.append(sink)
 
+    def open(self, info: SinkInfo) -> None:
+        """Tell every sink that has ``open`` about the run; later records and events go to all sinks."""
+        for sink in list(self.sinks):
+            if callable(getattr(sink, "open", None)):
+                self._call(sink, "open", info)
+        self.opened = True
+
+    def _call(self, sink: Any, method: str, *args: Any) -> None:
+        try:
+            getattr(sink, method)(*args)
+        except Exception as exc:
+            print(f"crosstrain: warning: metrics sink {type(sink).__name__} failed and is disabled: {exc}",
+                  file=sys.stderr)
+            self.sinks.remove(sink)
+
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for sink in list(self.sinks):
-            try:
-                sink.write(step, metrics)
-            except Exception as exc:
-                print(f"crosstrain: warning: metrics sink {type(sink).__name__} failed and is disabled: {exc}",
-                      file=sys.stderr)
-                self.sinks.remove(sink)
+            self._call(sink, "write", step, metrics)
+
+    def event(self, step: int, name: str, fields: dict[str, Any]) -> None:
+        """An event to every sink with an ``event`` method."""
+        for sink in list(self.sinks):
+            if callable(getattr(sink, "event", None)):
+                self._call(sink, "event", step, name, fields)
 
     def close(self) -> None:
         for sink in self.sinks:

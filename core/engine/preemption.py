@@ -1,10 +1,18 @@
-"""SIGTERM handling: the first signal asks the trainer to finish the step, save and exit 0."""
+"""SIGTERM handling: the first signal asks the trainer to finish the step, save and exit 0; in multi-process
+runs the ranks agree on it (:class:`StopVote`), so they all stop after the same step."""
 
 from __future__ import annotations
 
 import signal
 import threading
 from typing import Any
+
+import torch
+
+#: multi-process runs agree on SIGTERM about this often (in seconds of training), measured after
+#: VOTE_CALIBRATION_STEPS steps; until then they vote every step.
+PREEMPT_CHECK_S = 0.5
+VOTE_CALIBRATION_STEPS = 6
 
 
 class PreemptionWatcher:
@@ -35,3 +43,44 @@ class PreemptionWatcher:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
             self._installed = False
+
+
+class StopVote:
+    """Whether any rank asked to stop: a one-element async all-reduce (max) that overlaps a training step.
+
+    Multi-process runs vote every ``every`` steps, about every :data:`PREEMPT_CHECK_S` seconds once rank 0's
+    median step time is known (after :data:`VOTE_CALIBRATION_STEPS` steps).
+    """
+
+    def __init__(self, collective: Any, watcher: PreemptionWatcher, device: torch.device) -> None:
+        self.collective, self.watcher = collective, watcher
+        self.comm_device = torch.device("cpu") if device.type == "cpu" else device
+        self.every = 1
+
+    def start(self, index: int, step_times: list[float]) -> Any:
+        """Start this step's vote (``index``: steps run so far in this process); None/False: no collective."""
+        if self.collective.world_size == 1:
+            return None
+        if index == VOTE_CALIBRATION_STEPS:
+            self._calibrate(step_times[1:])
+        if index % self.every:
+            return False
+        flag = torch.tensor([1.0 if self.watcher.requested else 0.0], device=self.comm_device)
+        return flag, self.collective.all_reduce(flag, op="max", async_op=True)
+
+    def finish(self, vote: Any) -> bool:
+        """True when this rank (single process) or any rank (a vote this step) asked to stop."""
+        if vote is None:
+            return self.watcher.requested
+        if vote is False:
+            return False
+        flag, work = vote
+        if work is not None:
+            work.wait()
+        return bool(flag.item() > 0)
+
+    def _calibrate(self, step_times: list[float]) -> None:
+        """Once, on every rank at the same step: rank 0's median step time decides the voting interval."""
+        median = torch.tensor([sorted(step_times)[len(step_times) // 2]], dtype=torch.float64, device=self.comm_device)
+        self.collective.broadcast(median, src=0)
+        self.every = max(1, int(PREEMPT_CHECK_S / max(float(median.item()), 1e-6)))

@@ -16,6 +16,9 @@ __all__ = [
     "swiglu",
     "cross_entropy",
     "linear_cross_entropy",
+    "moe_permute",
+    "moe_unpermute",
+    "grouped_mm",
 ]
 
 
@@ -39,3 +42,20 @@ def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
 ) -> torch.Tensor:
     return registry.call("linear_cross_entropy", hidden, weight, targets, ignore_index)
+
+
+def moe_permute(
+    tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(permuted, order, tokens_per_expert)``: token copies grouped by expert (see ``reference.moe_permute``)."""
+    return registry.call("moe_permute", tokens, expert_ids, num_experts)
+
+
+def moe_unpermute(permuted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`moe_permute` and sum each token's top-k expert outputs weighted by ``weights`` ``[N, K]``."""
+    return registry.call("moe_unpermute", permuted, order, weights)
+
+
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_group: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` in contiguous groups times ``weights[g]`` (see ``reference.grouped_mm``)."""
+    return registry.call("grouped_mm", x, weights, tokens_per_group)

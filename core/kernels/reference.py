@@ -77,12 +77,14 @@ def moe_unpermute(
 
 
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_group: torch.Tensor) -> torch.Tensor:
-    """Per-group matmul: rows of ``x`` ``[N, K]`` in contiguous groups times ``weights[g]`` ``[G, K, M]``."""
-    outs = []
-    start = 0
-    for g, count in enumerate(tokens_per_group.tolist()):
-        outs.append(x[start : start + count] @ weights[g])
-        start += count
+    """Per-group matmul: rows of ``x`` ``[N, K]`` in contiguous groups times ``weights[g]`` ``[G, K, M]``.
+
+    ``tokens_per_group`` ``[G]`` (summing to ``N``; zeros allowed) gives the group sizes, in order, as
+    :func:`moe_permute` returns them. Reads the sizes with one host sync for all groups (``torch.split``
+    needs them on the host), never one per group; a group with no rows gets a zero weight gradient.
+    """
+    sizes = tokens_per_group.tolist()
+    outs = [rows @ w for rows, w in zip(torch.split(x, sizes, dim=0), weights.unbind(0), strict=True)]
     if not outs:
         return x.new_zeros((0, weights.shape[-1]))
     return torch.cat(outs, dim=0)

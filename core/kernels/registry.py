@@ -8,6 +8,7 @@ the reference everywhere; ONNX export always traces the reference.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +31,13 @@ class OpSpec:
     name: str
     reference: Callable[..., Any]
     doc: str = ""
+
+    @property
+    def signature(self) -> str:
+        """The reference's parameters and result, e.g. ``(x: Tensor, weight: Tensor, eps: float = 1e-06) -> Tensor``:
+        what every registered implementation of the op must accept and return."""
+        text = str(inspect.signature(self.reference)).replace("'", "")  # postponed annotations are strings
+        return text.replace("torch.", "")
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,17 @@ Plain PyTorch in the torchtitan style: blocks live in a ``ModuleDict`` keyed by 
 can drop the layers they do not own (and ``tok_embeddings``/``norm``/``output`` may be ``None`` on inner
 stages); attention infers the local head count from the projection width, so tensor-parallel plans that
 shard heads need no model change. Every hot op goes through the kernel registry.
+
+The model owns its parallel plans (see :mod:`crosstrain.parallel.plan`): Megatron-style ``tp_plan()`` on
+``Attention``, ``FeedForward`` and ``GPT`` (each names only its own children, so a plugin may swap the MLP for
+a module with its own plan), ``GPT.pipeline_split`` and ``GPT.ac_units`` (the blocks).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # biases on wq/wk/wv (Qwen2); off keeps the default model's parameters and RNG draws
 
     @property
     def head_dim(self) -> int:
@@ -85,24 +90,35 @@ class RMSNorm(nn.Module):
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary kernel on ``x [B, T, H, D]`` with shared ``[T, D/2]`` tables, or per-row ``[B, T, D/2]`` ones
+    (packed documents): those are applied on ``[B*T, H, D]`` so every kernel sees its documented 2-D tables."""
+    if cos.dim() == 2:
+        return kernels.rotary_embedding(x, cos, sin)
+    b, t, h, d = x.shape
+    flat = kernels.rotary_embedding(x.reshape(b * t, h, d), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
+    return flat.view(b, t, h, d)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        q = kernels.rotary_embedding(q, cos, sin)
-        k = kernels.rotary_embedding(k, cos, sin)
+        q = _rotary(q, cos, sin)
+        k = _rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if past is not None:
             k = torch.cat((past[0], k), dim=2)
@@ -112,7 +128,9 @@ class Attention(nn.Module):
             rep = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        if past is None:
+        if mask is not None:  # packed documents: block-causal (crosstrain.models.document_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif past is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             past_len = k.shape[2] - seqlen
@@ -121,6 +139,12 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out), present
+
+    def tp_plan(self) -> dict[str, Any]:
+        """q/k/v column-parallel (each tp rank owns ``n_heads / tp`` heads), ``wo`` row-parallel (all-reduced)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
 
 
 class FeedForward(nn.Module):
@@ -133,6 +157,12 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(kernels.swiglu(self.w1(x), self.w3(x)))
 
+    def tp_plan(self) -> dict[str, Any]:
+        """Gate and up column-parallel (``hidden / tp`` columns per rank), down row-parallel (all-reduced)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
@@ -143,9 +173,10 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
-        attn, present = self.attention(self.attention_norm(x), cos, sin, past)
+        attn, present = self.attention(self.attention_norm(x), cos, sin, past, mask)
         h = x + attn
         return h + self.feed_forward(self.ffn_norm(h)), present
 
@@ -170,8 +201,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         self.init_weights()
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -190,6 +220,9 @@ class GPT(nn.Module):
                         block.feed_forward.w3):
                 nn.init.normal_(lin.weight, std=0.02)
             nn.init.normal_(block.attention.wo.weight, std=out_std)
+            for lin in (block.attention.wq, block.attention.wk, block.attention.wv):
+                if lin.bias is not None:  # zeros draw no random numbers: the weights' RNG stream is unchanged
+                    nn.init.zeros_(lin.bias)
             nn.init.normal_(block.feed_forward.w2.weight, std=out_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
@@ -198,12 +231,14 @@ class GPT(nn.Module):
         if self.output is not None and not cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, std=cfg.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits, _ = self.forward_with_cache(tokens, None)
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; with ``doc_ids [B, T]`` (packed documents) attention stays inside each document and
+        positions restart at every document start (:mod:`crosstrain.models.document_mask`)."""
+        logits, _ = self.forward_with_cache(tokens, None, doc_ids=doc_ids)
         return logits
 
     def forward_with_cache(
-        self, tokens: torch.Tensor, past: list[KVCache] | None
+        self, tokens: torch.Tensor, past: list[KVCache] | None, *, doc_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[KVCache]]:
         """Run with an optional per-layer ``(k, v)`` cache ``[B, kv_heads, T_past, head_dim]``.
 
@@ -211,12 +246,22 @@ class GPT(nn.Module):
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
-        start = 0 if past is None else past[0][0].shape[2]
-        cos = self.rope_cos[start : start + seqlen]
-        sin = self.rope_sin[start : start + seqlen]
+        mask = None
+        if doc_ids is None:
+            start = 0 if past is None else past[0][0].shape[2]
+            cos = self.rope_cos[start : start + seqlen]
+            sin = self.rope_sin[start : start + seqlen]
+        else:
+            if past is not None:
+                raise ValueError("doc_ids (packed documents) cannot be combined with a KV cache")
+            from crosstrain.models.document_mask import block_causal_mask, document_positions
+
+            positions = document_positions(doc_ids)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, head_dim/2]
+            mask = block_causal_mask(doc_ids).unsqueeze(1)  # [B, 1, T, T] broadcasts over heads
         presents: list[KVCache] = []
         for i, block in enumerate(self.blocks()):
-            h, present = block(h, cos, sin, None if past is None else past[i])
+            h, present = block(h, cos, sin, None if past is None else past[i], mask)
             presents.append(present)
         if self.norm is not None:
             h = self.norm(h)
@@ -227,6 +272,47 @@ class GPT(nn.Module):
     def blocks(self) -> list[Block]:
         """The transformer blocks this module holds (all of them, or one pipeline stage's)."""
         return [cast(Block, b) for b in self.layers.values()]
+
+    def tie_weights(self) -> None:
+        """Share ``tok_embeddings.weight`` with ``output`` when ``tie_embeddings`` (tensor parallelism calls it
+        again after sharding: both plans shard the ``[vocab, dim]`` weight on dim 0, so one DTensor serves)."""
+        if self.config.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    # -- parallel plans (crosstrain.parallel.plan) --------------------------------------------------
+    def tp_plan(self) -> dict[str, Any]:
+        """The embedding and the LM head, both sharded over the vocabulary, with replicated inputs and outputs
+        (blocks bring their own plans; norm weights stay replicated plain parameters)."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan: dict[str, Any] = {}
+        if self.output is not None:
+            plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
+                                             use_local_output=True)
+        if self.tok_embeddings is not None:
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        return plan
+
+    def pipeline_split(self, pp: int, stage: int) -> None:
+        """Keep stage ``stage``'s contiguous run of blocks (earlier stages take the remainder), the embedding on
+        the first stage and ``norm``/``output`` on the last. ``layers`` keys keep their global index."""
+        from crosstrain.parallel.pp import stage_layers
+
+        keys = list(self.layers.keys())
+        keep = {keys[i] for i in stage_layers(len(keys), pp, stage)}
+        for key in keys:
+            if key not in keep:
+                del self.layers[key]
+        if stage != 0:
+            self.tok_embeddings = None
+        if stage != pp - 1:
+            self.norm = None
+            self.output = None
+
+    def ac_units(self) -> dict[str, int]:
+        """Each block this module holds (``layers.<i>``) -> its global index ``i``."""
+        return {f"layers.{key}": int(key) for key in self.layers}
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

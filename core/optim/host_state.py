@@ -29,7 +29,7 @@ def restore_fp32_state(
     saved = state_dict.get("state", {})
     ids = [pid for group in state_dict.get("param_groups", []) for pid in group["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for pid, param in zip(ids, params):
+    for pid, param in zip(ids, params, strict=True):
         entry = saved.get(pid)
         if not entry:
             continue

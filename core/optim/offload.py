@@ -283,12 +283,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Load into the host state in place (fp32, pinned buffers kept); nothing is moved to the device."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups, strict=True)
         ):
             raise ConfigError("the optimizer state does not match the parameters (different model or "
                               "optimizer layout); load a checkpoint of this configuration")
-        by_id = {pid: p for saved, group in zip(saved_groups, self.param_groups)
-                 for pid, p in zip(saved["params"], group["params"])}
+        by_id = {pid: p for saved, group in zip(saved_groups, self.param_groups, strict=True)
+                 for pid, p in zip(saved["params"], group["params"], strict=True)}
         for pid, entry in state_dict["state"].items():
             p = by_id[pid]
             state = self.state[p]
@@ -306,7 +306,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     state[key] = self._host_fp32(p, value.reshape(_local(p).shape),
                                                  pin=key == "master" and self._staged(p)
                                                  and _local(p).dtype == torch.float32)
-        for saved, group in zip(saved_groups, self.param_groups):
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
     def memory_report(self) -> dict[str, int]:

@@ -47,7 +47,7 @@ class LRSchedule:
     def apply(self) -> float:
         """Set the lr of the upcoming step on every param group; returns the first group's lr."""
         factor = self.factor()
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
         return self.base_lrs[0] * factor
 

@@ -1,13 +1,16 @@
-"""Per-block activation checkpointing (``none`` | ``full`` | ``every:N``) and opt-in per-block torch.compile."""
+"""Per-block activation checkpointing (``none`` | ``full`` | ``every:N``) and opt-in per-block torch.compile.
+
+The blocks are the model's ``ac_units()`` (a method, or registered with
+:func:`crosstrain.parallel.register_parallel_plan`): dotted paths -> index in the full model.
+"""
 
 from __future__ import annotations
-
-from typing import cast
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from crosstrain.errors import ConfigError
+from crosstrain.parallel.plan import replace_submodule, units
 
 
 def parse_ac(mode: str) -> int:
@@ -28,24 +31,23 @@ def parse_ac(mode: str) -> int:
 
 
 def apply_ac(model: nn.Module, mode: str) -> int:
-    """Wrap blocks of ``model.layers`` in a non-reentrant checkpoint wrapper; returns how many were wrapped.
+    """Wrap the model's block units in a non-reentrant checkpoint wrapper; returns how many were wrapped.
 
-    The block index (the ModuleDict key) decides ``every:N``, so pipeline stages agree with the full model.
+    The unit's index in the full model decides ``every:N``, so pipeline stages agree with the full model.
     """
     every = parse_ac(mode)
     if not every:
         return 0
     wrapped = 0
-    layers = cast(nn.ModuleDict, model.layers)
-    for key in list(layers.keys()):
-        if int(key) % every == 0:
-            layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False)
+    for path, index in units(model).items():
+        if index % every == 0:
+            replace_submodule(model, path, checkpoint_wrapper(model.get_submodule(path), preserve_rng_state=False))
             wrapped += 1
     return wrapped
 
 
 def apply_compile(model: nn.Module, backend: str | bool = True) -> None:
-    """Compile each block in place (``nn.Module.compile``; parameter names do not change).
+    """Compile each block unit in place (``nn.Module.compile``; parameter names do not change).
 
     ``backend`` True uses torch.compile's default (inductor); a string names another dynamo backend.
     """
@@ -53,5 +55,5 @@ def apply_compile(model: nn.Module, backend: str | bool = True) -> None:
 
     kernels.registry.ops()  # populate the kernel registry now: its lock must not be met inside a traced region
     kwargs = {} if backend is True else {"backend": str(backend)}
-    for block in cast(nn.ModuleDict, model.layers).values():
-        block.compile(**kwargs)
+    for path in units(model):
+        model.get_submodule(path).compile(**kwargs)

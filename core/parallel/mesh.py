@@ -1,4 +1,11 @@
-"""The job's DeviceMesh (pp x dp_replicate x dp_shard x ep x tp) and its sub-meshes."""
+"""The job's DeviceMesh (pp x dp_replicate x dp_shard x ep x tp) and its sub-meshes.
+
+With ``ep > 1`` the expert-parallel ranks are carved from the ``dp_shard`` ranks (torchtitan's layout): the
+physical dims are ``pp x dp_replicate x dp_shard_out x ep x tp`` with ``dp_shard_out = dp_shard / ep``, and
+``(dp_shard_out, ep)`` is flattened back into ``dp_shard``, the FSDP mesh of the non-expert parameters. So
+``mesh["dp_shard"]``, ``mesh["dp_replicate", "dp_shard"]``, ``mesh["tp"]`` and ``mesh["pp"]`` mean the same
+for every ``ep``.
+"""
 
 from __future__ import annotations
 
@@ -17,18 +24,48 @@ def build_mesh(collective: Any, dims: ParallelDims) -> Any:
         dims.resolve()
     if collective.world_size == 1:
         return None
-    return collective.mesh(dims.mesh_shape())
+    mesh = collective.mesh(dims.mesh_shape())
+    if dims.ep > 1:
+        _shard_mesh(mesh, dims)  # registers "dp_shard" on the root mesh, so mesh["dp_shard"] keeps working
+    return mesh
+
+
+def _shard_mesh(mesh: Any, dims: ParallelDims) -> Any:
+    """The 1-D ``dp_shard`` mesh: a physical dim when ``ep == 1``, else ``(dp_shard_out, ep)`` flattened."""
+    if dims.ep == 1:
+        return mesh["dp_shard"]
+    # torch caches the flattened mesh on the root and returns it again for the same name and layout; using it
+    # directly avoids slicing a flattened dim from the root mesh, which torch deprecates
+    return mesh["dp_shard_out", "ep"]._flatten("dp_shard")
+
+
+def fsdp_mesh(mesh: Any, dims: ParallelDims) -> Any:
+    """The mesh FSDP2 shards non-expert parameters over: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)``
+    (HSDP; with ``dp_shard == 1`` that is replication composable with TP/PP) when ``dp_replicate > 1``."""
+    if dims.dp_replicate == 1:
+        return _shard_mesh(mesh, dims)
+    if dims.ep == 1:
+        return mesh["dp_replicate", "dp_shard"]
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # how torch's fully_shard itself joins a replicate mesh and a flattened shard mesh (fsdp/_fsdp_init.py)
+    return DeviceMesh._concatenate([mesh["dp_replicate"], _shard_mesh(mesh, dims)])
 
 
 def dp_mesh(mesh: Any, dims: ParallelDims) -> Any:
     """The data-parallel sub-mesh: 1-D ``dp_replicate`` or ``dp_shard``, or 2-D for HSDP; None if dp is 1."""
     if mesh is None or not dims.dp_enabled:
         return None
-    if dims.dp_replicate > 1 and dims.dp_shard > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    if dims.dp_replicate > 1:
-        return mesh["dp_replicate"]
-    return mesh["dp_shard"]
+    if dims.dp_shard > 1:
+        return fsdp_mesh(mesh, dims)
+    return mesh["dp_replicate"]
+
+
+def ep_mesh(mesh: Any, dims: ParallelDims) -> Any:
+    """The 1-D expert-parallel sub-mesh (the ranks that exchange tokens), or None when ``ep == 1`` or no mesh."""
+    if mesh is None or dims.ep == 1:
+        return None
+    return mesh["ep"]
 
 
 def sub_mesh(mesh: Any, name: str) -> Any:
@@ -39,10 +76,15 @@ def sub_mesh(mesh: Any, name: str) -> Any:
 def dp_rank_and_size(mesh: Any, dims: ParallelDims) -> tuple[int, int]:
     """This rank's data-parallel index and the number of data-parallel replicas (for the data sampler).
 
-    Ranks that differ only in ``tp`` or ``pp`` read the same data.
+    Ranks that differ only in ``tp`` or ``pp`` read the same data; ``ep`` ranks are data-parallel ranks and
+    read different data.
     """
     if mesh is None:
         return 0, 1
     rep = mesh.get_local_rank("dp_replicate")
-    shard = mesh.get_local_rank("dp_shard")
+    if dims.ep > 1:
+        # the flattened dp_shard index, outer-major like the flatten: dp_shard_out * ep + ep
+        shard = mesh.get_local_rank("dp_shard_out") * dims.ep + mesh.get_local_rank("ep")
+    else:
+        shard = mesh.get_local_rank("dp_shard")
     return rep * dims.dp_shard + shard, dims.dp_degree

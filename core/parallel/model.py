@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -19,29 +20,48 @@ from crosstrain.errors import ConfigError
 from crosstrain.parallel import activation_checkpoint as ac
 from crosstrain.parallel import fsdp as dp
 from crosstrain.parallel import grad as gradmod
+from crosstrain.parallel import plan as planmod
 from crosstrain.parallel import pp as ppmod
 from crosstrain.parallel import state as statemod
 from crosstrain.parallel.dims import ParallelDims
-from crosstrain.parallel.mesh import dp_mesh
+from crosstrain.parallel.ep import apply_ep, check_expert_model, expert_modules
+from crosstrain.parallel.mesh import ep_mesh, fsdp_mesh
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of ``logits [..., vocab]`` against ``targets [...]`` (the default loss)."""
     return kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@dataclass
+class LossReduction:
+    """An average over data-parallel ranks in flight (:meth:`ParallelModel.start_loss_reduce`)."""
+
+    buf: torch.Tensor
+    work: Any
+    shape: torch.Size
 
 
 class ParallelModel:
     """This rank's share of the model, with the training-step primitives the trainer needs.
 
-    Build it with :func:`parallelize`. ``module`` is this rank's ``nn.Module`` (the GPT wrapped by
-    FSDP2/DDP/TP, or its pipeline stage); give ``parameters()`` to the optimizer.
+    Build it with :func:`parallelize`. ``module`` is this rank's ``nn.Module`` (the model wrapped by
+    FSDP2/DDP/TP, or its pipeline stage); give ``parameters()`` to the optimizer. ``loss_fn(output, targets)``
+    is the loss of :meth:`forward_backward`, :meth:`eval_loss` and the pipeline schedule. A frozen model
+    (``trainable`` False) only runs forward, in eval mode.
     """
 
     def __init__(self, module: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device, *,
                  precision: str, use_ddp: bool, use_fsdp: bool, schedule: Any = None,
-                 microbatches: int = 1) -> None:
+                 microbatches: int = 1, loss_fn: LossFn | None = None, trainable: bool = True) -> None:
         self.module = module
+        self.loss_fn: LossFn = loss_fn or next_token_loss
+        self.trainable = trainable
         self.dims = dims
         self.mesh = mesh
         self.device = device
@@ -71,33 +91,58 @@ class ParallelModel:
         for name, p in self.module.named_parameters():
             yield statemod.clean_name(name, ddp), p
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast to the compute dtype where FSDP's MixedPrecisionPolicy does not already cast (else no-op)."""
         if self._autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
 
-    def _now(self) -> float:
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's ``no_sync()`` while :meth:`set_gradient_sync` is off (FSDP2 needs nothing here); else no-op.
+
+        Wrap forward *and* backward in it: DDP decides at forward time whether the backward reduces.
+        """
+        if self.use_ddp and not self._grad_sync:
+            return cast(DistributedDataParallel, self.module).no_sync()
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        """One micro-batch whose loss the caller computes: :meth:`no_sync` and :meth:`autocast` together.
+
+        ``with pm.micro_batch(): loss = f(pm.module(x), y); (loss * scale / divisor).backward()`` computes what
+        :meth:`forward_backward` does. Not for pipeline parallelism, where the schedule runs both passes.
+        """
+        if self.schedule is not None:
+            raise ConfigError("ParallelModel.micro_batch() cannot run a pipeline-parallel model; use forward_backward "
+                              "(pass the loss as parallelize(loss_fn=...)) or set parallel.pp=1")
+        with self.no_sync(), self.autocast():
+            yield
+
+    def now(self) -> float:
+        """``time.perf_counter()``, after synchronising the device when ``sync_timings`` is set."""
         if self.sync_timings and self.device.type != "cpu":
             torch.accelerator.synchronize()
         return time.perf_counter()
 
-    def _reduce_loss(self, loss: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, Any]:
-        """Start averaging this micro-batch's loss over data-parallel ranks (and broadcasting it from the last
-        pipeline stage): a SUM over the world divided by the ranks that hold a loss."""
+    def start_loss_reduce(self, loss: torch.Tensor, async_op: bool = True) -> LossReduction:
+        """Start averaging ``loss`` (any shape) over data-parallel ranks, broadcast from the last pipeline stage:
+        a SUM over the world divided by the ranks that hold a loss. Finish with :meth:`finish_loss_reduce`."""
         if self.mesh is None:
-            return loss, None
-        buf = loss.detach().float().reshape(1).clone()
+            return LossReduction(loss, None, loss.shape)
+        buf = loss.detach().float().reshape(-1).clone()
         if not self.is_last_stage:
             buf.zero_()
         work = dist.all_reduce(buf, async_op=async_op)
-        return buf, work
+        return LossReduction(buf, work, loss.shape)
 
-    def _finish_loss(self, buf: torch.Tensor, work: Any) -> torch.Tensor:
-        if work is not None:
-            work.wait()
+    def finish_loss_reduce(self, handle: LossReduction) -> torch.Tensor:
+        """Wait for :meth:`start_loss_reduce`'s average; the same detached fp32 tensor on every rank."""
+        if handle.work is not None:
+            handle.work.wait()
         if self.mesh is None:
-            return buf.detach().float()
-        return (buf / (self.dims.dp_degree * self.dims.tp)).reshape(())
+            return handle.buf.detach().float()
+        return (handle.buf / (self.dims.dp_degree * self.dims.tp)).reshape(handle.shape)
 
     # -- training ---------------------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, scale: float = 1.0,
@@ -109,26 +154,26 @@ class ParallelModel:
         pipeline parallelism the schedule interleaves both passes, so ``forward_s`` holds the whole schedule
         and ``backward_s`` is 0.
         """
+        if not self.trainable:
+            raise ConfigError("forward_backward on a frozen model (parallelize(trainable=False)); use eval_loss or "
+                              "module under torch.no_grad(), or build it with trainable=True")
         if self.schedule is not None:
             return self._pp_forward_backward(inputs, targets, scale, divisor)
-        sync: Any = contextlib.nullcontext()
-        if self.use_ddp and not self._grad_sync:
-            sync = cast(DistributedDataParallel, self.module).no_sync()
-        with sync:
-            t0 = self._now()
-            with self._autocast():
+        with self.no_sync():
+            t0 = self.now()
+            with self.autocast():
                 logits = self.module(inputs)
-                loss = _loss(logits, targets)
-            t1 = self._now()
-            buf, work = self._reduce_loss(loss, async_op=True)
+                loss = self.loss_fn(logits, targets)
+            t1 = self.now()
+            handle = self.start_loss_reduce(loss)
             (loss * (scale / divisor)).backward()
-            t2 = self._now()
-        mean = self._finish_loss(buf, work)
-        t3 = self._now()
+            t2 = self.now()
+        mean = self.finish_loss_reduce(handle)
+        t3 = self.now()
         return mean, {"forward_s": t1 - t0, "backward_s": t2 - t1, "comm_s": t3 - t2}
 
     def _pp_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = _loss(output, target)
+        loss = self.loss_fn(output, target)
         self._mb_losses.append(loss.detach().float())
         return loss * self._loss_mult
 
@@ -140,7 +185,7 @@ class ParallelModel:
             )
         self._mb_losses = []
         run = self.schedule.step if train else self.schedule.eval
-        with self._autocast():
+        with self.autocast():
             if self.is_first_stage:
                 run(inputs, target=targets if self.is_last_stage else None)
             elif self.is_last_stage:
@@ -155,11 +200,11 @@ class ParallelModel:
     def _pp_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float,
                              divisor: int) -> tuple[torch.Tensor, dict[str, float]]:
         self._loss_mult = scale / (divisor * self.microbatches)
-        t0 = self._now()
+        t0 = self.now()
         loss = self._pp_run(inputs, targets, train=True)
-        t1 = self._now()
-        mean = self._finish_loss(*self._reduce_loss(loss, async_op=False))
-        t2 = self._now()
+        t1 = self.now()
+        mean = self.finish_loss_reduce(self.start_loss_reduce(loss, async_op=False))
+        t2 = self.now()
         return mean, {"forward_s": t1 - t0, "backward_s": 0.0, "comm_s": t2 - t1}
 
     @torch.no_grad()
@@ -168,9 +213,9 @@ class ParallelModel:
         if self.schedule is not None:
             loss = self._pp_run(inputs, targets, train=False)
         else:
-            with self._autocast():
-                loss = _loss(self.module(inputs), targets)
-        return self._finish_loss(*self._reduce_loss(loss, async_op=False))
+            with self.autocast():
+                loss = self.loss_fn(self.module(inputs), targets)
+        return self.finish_loss_reduce(self.start_loss_reduce(loss, async_op=False))
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Turn the data-parallel gradient reduction off for all but the last micro-batch of an accumulation.
@@ -197,7 +242,8 @@ class ParallelModel:
         return statemod.gather_pipeline_state(local, self.pp_group, comm)
 
     def train(self, mode: bool = True) -> ParallelModel:
-        self.module.train(mode)
+        """Set the module's training mode; a frozen model stays in eval mode."""
+        self.module.train(mode and self.trainable)
         return self
 
     def eval(self) -> ParallelModel:
@@ -206,14 +252,21 @@ class ParallelModel:
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device, *,
                 precision: str = "fp32", activation_checkpoint: str = "none", compile: bool | str = False,
-                pp_schedule: str = "1f1b", pp_microbatches: int = 0) -> ParallelModel:
-    """Shard ``model`` (a GPT built identically on every rank) over ``mesh`` and return a ParallelModel.
+                pp_schedule: str = "1f1b", pp_microbatches: int = 0, loss_fn: LossFn | None = None,
+                trainable: bool = True) -> ParallelModel:
+    """Shard ``model`` (built identically on every rank) over ``mesh`` and return a ParallelModel.
 
-    Order as in torchtitan: pipeline split, tensor parallel, activation checkpointing, per-block compile,
-    then FSDP2 (HSDP when both dp dims > 1) or DDP. Parameters are kept in fp32 (the master weights);
-    ``precision`` bf16/fp16 computes in low precision through FSDP's MixedPrecisionPolicy when sharded,
-    through autocast on ``device``'s type otherwise. ``pp_microbatches <= 0`` means ``pp``. ``compile`` True
-    compiles each block with torch.compile's default backend; a string names the dynamo backend.
+    Order as in torchtitan: pipeline split, tensor parallel, expert parallel (``parallel.ep > 1``, see
+    :mod:`crosstrain.parallel.ep`), activation checkpointing, per-block compile, then FSDP2 (HSDP when both dp
+    dims > 1) or DDP. Parameters are kept in fp32 (the master weights); ``precision`` bf16/fp16 computes in low
+    precision through FSDP's MixedPrecisionPolicy when sharded, through autocast on ``device``'s type otherwise.
+    ``pp_microbatches <= 0`` means ``pp``. ``compile`` True compiles each block with torch.compile's default
+    backend; a string names the dynamo backend.
+
+    TP, PP, activation checkpointing and compile follow the model's plans (see :mod:`crosstrain.parallel.plan`);
+    a model without plans trains with DDP/FSDP2 only. ``loss_fn(output, targets)`` defaults to
+    :func:`next_token_loss`. ``trainable=False`` builds a frozen model for inference inside a training run: no
+    gradients, eval mode, never DDP (a full replica instead), FSDP2 resharding after forward, no pipeline.
     """
     if precision not in PRECISIONS:
         raise ConfigError(f"precision.dtype={precision!r} is not allowed; use one of {', '.join(PRECISIONS)}")
@@ -222,14 +275,20 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
     cfg = getattr(model, "config", None)
     if cfg is not None:
         dims.validate_model(cfg)
+    check_expert_model(model, dims)
     if compile and dims.tp > 1:
         # Observed with torch 2.13 (aot_eager and inductor): the backward of DTensor's redistribution inside a
         # compiled TP block receives a plain tensor and fails at the first step.
         raise ConfigError("parallel.compile with parallel.tp > 1 fails in this torch build; set compile=false or tp=1")
+    every = ac.parse_ac(activation_checkpoint)  # validate before touching the model
+    planmod.check_plans(model, tp=dims.tp, pp=dims.pp, activation_checkpoint=activation_checkpoint if every else None,
+                        compile=compile)
+    if not trainable and dims.pp > 1:
+        raise ConfigError(f"a frozen model (trainable=False) cannot be pipelined over parallel.pp={dims.pp}; "
+                          "run it with parallel.pp=1")
     world = 1 if mesh is None else mesh.size()
     if world != dims.dp_degree * dims.tp * dims.pp:
         raise ConfigError(f"parallel dims {dims.describe()} do not match the mesh of {world} ranks")
-    every = ac.parse_ac(activation_checkpoint)  # validate before touching the model
     if str(pp_schedule).lower() not in ppmod.SCHEDULES:
         raise ConfigError(
             f"parallel.pp_schedule={pp_schedule!r} is not allowed; use one of {', '.join(ppmod.SCHEDULES)}"
@@ -238,12 +297,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
     if dims.pp > 1 and str(pp_schedule).lower() == "1f1b" and 0 < pp_microbatches < dims.pp:
         raise ConfigError(f"parallel.pp_schedule=1f1b needs parallel.pp_microbatches >= parallel.pp={dims.pp}, "
                           f"got {pp_microbatches}")
-    if (dims.pp > 1 or dims.tp > 1 or every or compile) and not isinstance(getattr(model, "layers", None),
-                                                                          nn.ModuleDict):
-        raise ConfigError(
-            "parallel.pp/tp, activation checkpointing and compile need a GPT-like model with a `layers` "
-            "ModuleDict of blocks; use the built-in GPT or turn them off"
-        )
     model = model.to(device=device, dtype=torch.float32)
     schedule = None
     microbatches = 1
@@ -254,6 +307,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
         from crosstrain.parallel.tp import apply_tp
 
         apply_tp(model, mesh["tp"])
+    if dims.ep > 1:
+        apply_ep(model, ep_mesh(mesh, dims))
     if every:
         ac.apply_ac(model, activation_checkpoint)
     if compile:
@@ -261,14 +316,23 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
 
     use_ddp = use_fsdp = False
     module: nn.Module = model
+    if not trainable:
+        # after TP: its ParallelStyles build new nn.Parameters, which require gradients again
+        model.requires_grad_(False)
+        model.eval()
     if dims.dp_enabled:
         if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
-            module = dp.apply_ddp(model, mesh["dp_replicate"], device)
-            use_ddp = True
+            # DDP refuses a module without gradients; a frozen replica needs no wrapper at all
+            if trainable:
+                module = dp.apply_ddp(model, mesh["dp_replicate"], device)
+                use_ddp = True
         else:
             # FSDP2; HSDP on (dp_replicate, dp_shard) - with dp_shard == 1 that is DDP-like, composable with TP/PP
-            fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dp_mesh(mesh, dims)
-            dp.apply_fsdp(model, fsdp_mesh, precision=precision, reshard_after_forward=dims.pp == 1)
+            if dims.ep > 1:  # experts differ per ep rank: they get their own data-parallel group first
+                dp.apply_expert_fsdp(expert_modules(model), dp.expert_dp_mesh(mesh, dims), dims.dp_degree,
+                                     precision=precision, reshard_after_forward=dims.pp == 1)
+            dp.apply_fsdp(model, fsdp_mesh(mesh, dims), precision=precision, reshard_after_forward=dims.pp == 1,
+                          units=planmod.units(model))
             use_fsdp = True
 
     if dims.pp > 1:
@@ -280,7 +344,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
             loss_fn=lambda out, tgt: holder["pm"]._pp_loss(out, tgt),
         )
     pm = ParallelModel(module, dims, mesh, device, precision=precision, use_ddp=use_ddp, use_fsdp=use_fsdp,
-                       schedule=schedule, microbatches=microbatches)
+                       schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, trainable=trainable)
     if dims.pp > 1:
         holder["pm"] = pm
     return pm

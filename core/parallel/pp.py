@@ -1,21 +1,22 @@
 """Pipeline parallelism through ``torch.distributed.pipelining`` with a manual stage split (torchtitan style).
 
-Stage ``s`` of ``pp`` keeps a contiguous run of ``model.layers`` (earlier stages take the remainder) and
-drops what it does not own: ``tok_embeddings`` lives on the first stage, ``norm`` and ``output`` on the last,
-so ``GPT.forward`` maps tokens -> hidden -> ... -> logits across stages. Keys of the ``ModuleDict`` keep
-their global index, so parameter names match the plain model.
+The model splits itself: its ``pipeline_split(pp, stage)`` (a method, or registered with
+:func:`crosstrain.parallel.register_parallel_plan`) keeps what stage ``stage`` owns, so that ``forward`` maps
+the previous stage's output to the next stage's input, and keeps parameter names those of the full model.
+:func:`stage_layers` is the usual contiguous split of a stack of blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from crosstrain.errors import ConfigError
+from crosstrain.parallel.plan import find_plan, missing_plan
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -29,18 +30,11 @@ def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
 
 
 def split_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
-    """Turn ``model`` (in place) into pipeline stage ``stage`` of ``pp`` and return it."""
-    layers = cast(nn.ModuleDict, model.layers)
-    keys = list(layers.keys())
-    keep = {keys[i] for i in stage_layers(len(keys), pp, stage)}
-    for key in keys:
-        if key not in keep:
-            del layers[key]
-    if stage != 0:
-        setattr(model, "tok_embeddings", None)  # noqa: B010 (nn.Module attribute typing)
-    if stage != pp - 1:
-        setattr(model, "norm", None)  # noqa: B010
-        setattr(model, "output", None)  # noqa: B010
+    """Turn ``model`` (in place) into pipeline stage ``stage`` of ``pp`` through its plan and return it."""
+    split = find_plan(model, "pipeline_split")
+    if split is None:
+        raise missing_plan(model, "pipeline_split", f"parallel.pp={pp}", "parallel.pp=1")
+    split(pp, stage)
     return model
 
 

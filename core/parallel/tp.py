@@ -1,48 +1,29 @@
-"""Tensor parallelism for the GPT through DTensor ``parallelize_module`` plans (Megatron-style).
+"""Tensor parallelism: apply every DTensor ``parallelize_module`` plan the model's modules declare.
 
-Attention q/k/v and the SwiGLU gate/up projections are column-parallel (each rank owns ``n_heads / tp`` heads
-and ``hidden / tp`` ffn columns; attention infers the local head count from the projection width), the output
-projections ``wo``/``w2`` are row-parallel (their outputs are all-reduced). The token embedding is sharded
-over the vocabulary (row-parallel, all-reduced output), the LM head over the vocabulary (column-parallel,
-all-gathered logits). Norm weights stay replicated plain parameters: their inputs and gradients are identical
-on every tp rank.
+The plans come from the model (``tp_plan()`` methods or :func:`crosstrain.parallel.register_parallel_plan`,
+see ``plan.py``); this file knows no model's attribute names. The built-in GPT's Megatron-style plan lives
+on its ``Attention``, ``FeedForward`` and ``GPT`` classes (core/models/gpt.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
+
+from crosstrain.parallel.plan import tp_plans
 
 
-def block_plan() -> dict[str, Any]:
-    """The per-block plan (keys relative to a ``Block``)."""
-    return {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-    }
-
-
-def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
-    """Shard ``model`` (a GPT or one pipeline stage of it) over ``tp_mesh`` in place."""
-    top: dict[str, Any] = {}
-    if getattr(model, "output", None) is not None:
-        top["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
-    if getattr(model, "tok_embeddings", None) is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    tied = bool(getattr(getattr(model, "config", None), "tie_embeddings", False))
-    if top:
-        parallelize_module(model, tp_mesh, top)
-    output, embeddings = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
-    if tied and output is not None and embeddings is not None:
-        # Both shard the [vocab, dim] weight on dim 0, so the tie survives as one DTensor.
-        output.weight = embeddings.weight
-    for block in cast(nn.ModuleDict, model.layers).values():
-        parallelize_module(block, tp_mesh, block_plan())
+def apply_tp(model: nn.Module, tp_mesh: Any) -> int:
+    """Shard ``model`` (or one pipeline stage of it) over ``tp_mesh`` in place; returns how many plans ran."""
+    # Collect every plan before applying any, so each plan method sees the plain model, not parameters an
+    # earlier plan already turned into DTensors.
+    plans = tp_plans(model)
+    for module, plan in plans:
+        if plan:
+            parallelize_module(module, tp_mesh, plan)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    return len(plans)

@@ -14,21 +14,43 @@ from crosstrain.plugins.export.errors import ExportError
 
 
 def default_out(source: Path, fmt: str) -> Path:
+    if fmt == "hf":  # a folder
+        return source / "export" / "hf" if source.is_dir() else source.with_name(f"{source.stem}-hf")
     ext = ".onnx" if fmt == "onnx" else ".safetensors"
     if source.is_dir():
         return source / "export" / f"model{ext}"
     return source.with_suffix(ext) if source.suffix != ext else source.with_name(source.stem + ".export" + ext)
 
 
+def best_or(path: str, best: bool) -> str:
+    """``path``, or with ``--best`` the ``step_N`` folder of the run's best-eval checkpoint (checkpoint.keep_best)."""
+    if not best:
+        return path
+    from crosstrain.engine.evaluate_checkpoint import resolve_checkpoint
+
+    return str(resolve_checkpoint(path, best=True)[1])
+
+
 def run_export(args: argparse.Namespace) -> int:
     from crosstrain.plugins.export.loading import load_model, save_safetensors
 
-    source = Path(args.source)
+    for flag, value in (("--tolerance", args.tolerance), ("--int8-tolerance", args.int8_tolerance)):
+        if not value >= 0:
+            raise ExportError(f"{flag} must be >= 0 (a max abs logit error), got {value}")
+    source = Path(best_or(args.source, args.best))
     out = Path(args.out) if args.out else default_out(source, args.format)
     if args.format == "safetensors" and out.suffix != ".safetensors":
         raise ExportError(f"--out {out} must end in .safetensors for --format safetensors")
     if args.format == "onnx" and out.suffix != ".onnx":
         raise ExportError(f"--out {out} must end in .onnx for --format onnx")
+    if args.format == "hf":
+        from crosstrain.plugins.export.hf_export import export_hf
+
+        report = export_hf(source, out, max_shard_size=args.max_shard_size, dtype=args.dtype)
+        print(json.dumps({"format": "hf", **report}) if args.json else
+              f"wrote {out} ({report['model_type']}, {report['shards']} weight file(s), "
+              f"{report['total_bytes'] / 1e6:.1f} MB {args.dtype}, tokenizer: {report['tokenizer']})")
+        return 0
     loaded = load_model(source)
     result: dict[str, Any] = {"source": loaded.source, "format": args.format,
                               "params": loaded.model.num_params(), "config": loaded.config.to_dict()}
@@ -89,15 +111,19 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from crosstrain.plugins.export.generate import Sampling, decode, generate
 
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # validated before any loading
+    if args.threads is not None and args.threads < 1:
+        raise ExportError(f"--threads must be >= 1, got {args.threads}")
+    if args.max_new_tokens < 0:
+        raise ExportError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_name = args.engine or ("onnxruntime" if str(args.model).endswith(".onnx") else "torch")
     with tempfile.TemporaryDirectory(prefix="crosstrain-generate-") as workdir:
-        engine = build_engine(args.model, engine_name, args.threads, workdir)
+        engine = build_engine(best_or(args.model, args.best), engine_name, args.threads, workdir)
         prompt = _prompt_ids(args, engine.tokenizer)
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         t0 = time.perf_counter()
-        new = generate(engine, prompt, args.max_new_tokens, sampling)[0]
+        new = generate(engine, prompt, args.max_new_tokens, sampling, eos_id=engine.tokenizer.get("eos_id"))[0]
         seconds = time.perf_counter() - t0
     text = decode(engine.tokenizer, new)
     if args.json:
@@ -117,20 +143,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        description="Export a run dir (newest checkpoint), a checkpoint folder (sharded ones are "
                                    "consolidated) or a .safetensors file. ONNX exports are checked against PyTorch.")
     p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT")
-    p.add_argument("--format", choices=("onnx", "safetensors"), default="onnx")
+    p.add_argument("--best", action="store_true", help="the run's checkpoint with the best eval loss (keep_best)")
+    p.add_argument("--format", choices=("onnx", "safetensors", "hf"), default="onnx",
+                   help="hf: a Hugging Face model folder (config.json, safetensors shards, tokenizer)")
     p.add_argument("--out", default=None, help="output file (default: <run dir>/export/model.<format>)")
     p.add_argument("--int8", action="store_true", help="also write <out>.int8.onnx (dynamic int8 quantization)")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="max abs logit error (fp32)")
     p.add_argument("--int8-tolerance", type=float, default=DEFAULT_INT8_TOLERANCE,
                    help="max abs logit error accepted for the int8 model")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    p.add_argument("--max-shard-size", default="5GB", help="hf: largest weight file before sharding (e.g. 2GB)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="hf: dtype of the written weights")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_export)
 
     g = sub.add_parser("generate", help="generate text from an exported or trained model (KV cache)")
-    g.add_argument("model", metavar="MODEL", help="a .onnx file, a run dir, a checkpoint or a .safetensors file")
+    g.add_argument("model", metavar="MODEL",
+                   help="a .onnx file, a run dir, a checkpoint, a .safetensors file or a Hugging Face model folder")
+    g.add_argument("--best", action="store_true", help="the run's checkpoint with the best eval loss (keep_best)")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (byte tokenizer)")
+    src.add_argument("--prompt", help="prompt text (the model's tokenizer: bytes, or its tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma separated")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--engine", choices=("onnxruntime", "torch"), default=None,

@@ -73,13 +73,21 @@ class OrtEngine:
 
     def forward(self, ids: np.ndarray, cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         feeds = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64)}
-        feeds.update(zip(self._past_names, cache))
+        feeds.update(zip(self._past_names, cache, strict=True))
         outs = run(self.session, feeds)
         return outs[0], outs[1:]
 
 
 # -- tokenizer ----------------------------------------------------------------------------------------------------
+def _hf_tokenizer(tokenizer: dict[str, Any]) -> Any:
+    from crosstrain.data.hf_tokenizer import HFTokenizer
+
+    return HFTokenizer(tokenizer["path"])
+
+
 def encode(tokenizer: dict[str, Any], text: str) -> list[int]:
+    if tokenizer.get("type") == "hf":  # a tokenizer.json folder (data.tokenizer, or a Hugging Face model's own)
+        return [int(i) for i in _hf_tokenizer(tokenizer).encode(text)]
     if tokenizer.get("type") != "byte":
         raise ExportError(f"this model has no byte tokenizer (vocab {tokenizer.get('vocab_size')}); "
                           "pass token ids with --prompt-ids instead of --prompt")
@@ -87,6 +95,8 @@ def encode(tokenizer: dict[str, Any], text: str) -> list[int]:
 
 
 def decode(tokenizer: dict[str, Any], ids: list[int]) -> str:
+    if tokenizer.get("type") == "hf":
+        return str(_hf_tokenizer(tokenizer).decode(ids))
     if tokenizer.get("type") != "byte":
         return " ".join(str(i) for i in ids)
     return bytes(i for i in ids if 0 <= i < 256).decode(tokenizer.get("encoding", "utf-8"), errors="replace")
@@ -101,6 +111,16 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ExportError(f"--temperature must be a number >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ExportError(f"--top-k must be >= 0 (0 = no limit), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ExportError(f"--top-p must lie in (0, 1] (1 = no limit), got {self.top_p}")
+        if self.seed is not None and self.seed < 0:
+            raise ExportError(f"--seed must be >= 0, got {self.seed}")
 
 
 def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:

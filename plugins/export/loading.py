@@ -7,9 +7,10 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -50,6 +51,8 @@ def gpt_config_from_dict(data: dict[str, Any], where: str = "config") -> GPTConf
     """A GPTConfig from a GPTConfig dict, a ``model`` config section (``preset`` + overrides) or a full run config."""
     if isinstance(data.get("model"), dict):
         data = data["model"]
+    if data.get("init_from"):
+        return _init_from_config(data, where)
     if data.get("import_path"):
         raise ExportError(f"{where}: model.import_path={data['import_path']!r} is a user model; only the built-in "
                           "GPT can be exported (export it with torch.onnx yourself)")
@@ -67,6 +70,48 @@ def gpt_config_from_dict(data: dict[str, Any], where: str = "config") -> GPTConf
         raise ExportError(f"{where}: invalid model config ({exc})") from exc
 
 
+def _init_from_config(model: dict[str, Any], where: str) -> GPTConfig:
+    """A run trained from ``model.init_from``: the shape is that folder's config.json (+ ``max_seq_len``)."""
+    from crosstrain.models.hf import pretrained_config
+
+    folder = str(model["init_from"])
+    if not Path(folder).is_dir():
+        raise ExportError(f"{where}: model.init_from={folder!r} no longer exists, and the model's shape comes from "
+                          "its config.json; restore that folder (or put a GPTConfig model_config.json next to the "
+                          "checkpoint)")
+    cfg = pretrained_config(folder)
+    return dataclasses.replace(cfg, max_seq_len=int(model["max_seq_len"])) if model.get("max_seq_len") else cfg
+
+
+def run_tokenizer(paths: list[Path], cfg: GPTConfig) -> dict[str, Any]:
+    """The tokenizer of a run: ``data.tokenizer`` of the first run config among ``paths``, else the byte one."""
+    for p in paths:
+        if p.is_file():
+            data = _read_json(p)
+            spec = (data.get("data") or {}).get("tokenizer") if isinstance(data.get("data"), dict) else None
+            if spec:
+                from crosstrain.data.hf_tokenizer import describe_tokenizer
+
+                if not (Path(spec) / "tokenizer.json").is_file():
+                    return {"type": "none", "vocab_size": cfg.vocab_size, "missing": str(spec)}
+                return describe_tokenizer(str(spec))
+            break
+    return tokenizer_metadata(cfg)
+
+
+def load_hf_folder(folder: Path) -> LoadedModel:
+    """A Hugging Face model folder (Llama, Mistral, Qwen2) with its tokenizer when it has a tokenizer.json."""
+    from crosstrain.models.hf import load_pretrained, read_hf_config
+
+    model = load_pretrained(folder).eval()
+    tokenizer = tokenizer_metadata(model.config)
+    if (folder / "tokenizer.json").is_file():
+        from crosstrain.data.hf_tokenizer import describe_tokenizer
+
+        tokenizer = describe_tokenizer(str(folder))
+    return LoadedModel(model, model.config, tokenizer, str(folder), extra={"hf_config": read_hf_config(folder)})
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -77,8 +122,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def build_model(cfg: GPTConfig, state: dict[str, torch.Tensor], source: str) -> GPT:
-    """A fp32 eval-mode GPT holding ``state`` (plain GPT parameter names; common wrapper prefixes stripped)."""
+def build_model(cfg: GPTConfig, state: dict[str, torch.Tensor], source: str,
+                transform: Callable[[GPT], GPT] | None = None) -> GPT:
+    """A fp32 eval-mode GPT holding ``state`` (plain GPT parameter names; common wrapper prefixes stripped).
+
+    ``transform`` rebuilds what plugins changed in training (MoE layers) before the weights are loaded.
+    """
     state = _strip_prefixes(state)
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items() if not k.startswith("rope_")}
     if cfg.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
@@ -90,6 +139,8 @@ def build_model(cfg: GPTConfig, state: dict[str, torch.Tensor], source: str) -> 
         model = GPT(cfg)
     except ValueError as exc:
         raise ExportError(f"{source}: unsupported model config ({exc})") from exc
+    if transform is not None:
+        model = transform(model)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -155,8 +206,24 @@ def load_checkpoint_dir(ckpt: Path, run_dir: Path | None) -> LoadedModel:
     if run_dir is not None:
         candidates.append(run_dir / "config.json")
     cfg = _config_near(candidates, str(ckpt))
-    model = build_model(cfg, state, str(ckpt))
-    return LoadedModel(model, model.config, tokenizer_metadata(model.config), str(ckpt))
+    model = build_model(cfg, state, str(ckpt), transform=_training_transforms(run_dir))
+    return LoadedModel(model, model.config, run_tokenizer(candidates, model.config), str(ckpt))
+
+
+def _training_transforms(run_dir: Path | None) -> Callable[[GPT], GPT] | None:
+    """The plugins' ``crosstrain_transform_model`` chain under the run's own config, as training applied it
+    (e.g. the MoE plugin's layers), or None without a run config."""
+    if run_dir is None or not (run_dir / "config.toml").is_file():
+        return None
+    from crosstrain.config import load_config
+    from crosstrain.engine.models import transform_model
+    from crosstrain.errors import ConfigError
+
+    try:
+        config = load_config(run_dir / "config.toml", [])
+    except ConfigError:  # written under other plugins: a plain GPT still loads (and a changed one says so)
+        return None
+    return lambda model: cast(GPT, transform_model(model, "model", config))
 
 
 # -- safetensors files --------------------------------------------------------------------------------------------
@@ -181,7 +248,8 @@ def load_safetensors_file(path: Path) -> LoadedModel:
 
 
 def load_model(path: str | os.PathLike[str]) -> LoadedModel:
-    """Load from a run dir (newest checkpoint), a ``checkpoints/`` folder, one checkpoint, or a .safetensors file."""
+    """Load from a run dir (newest checkpoint), a ``checkpoints/`` folder, one checkpoint, a .safetensors file or a
+    Hugging Face model folder (config.json with a model_type + safetensors)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p} does not exist; pass a run dir, a checkpoint folder or a .safetensors file")
@@ -192,6 +260,10 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
             raise ExportError(f"{p} is already an ONNX model; export needs a run dir, checkpoint or .safetensors file")
         raise ExportError(f"{p}: unsupported file type {p.suffix!r}; pass a run dir, a checkpoint folder or a "
                           ".safetensors file")
+    from crosstrain.models.hf import is_hf_folder
+
+    if is_hf_folder(p):
+        return load_hf_folder(p)
     if (p / "checkpoints").is_dir():
         return load_checkpoint_dir(latest_checkpoint(p / "checkpoints"), p)
     if p.name == "checkpoints":

@@ -84,7 +84,8 @@ def check_parity(
             outs = run(session, _feeds(ids, ort_past))
             err = float(np.abs(outs[0] - logits.numpy()).max())
             flat = [t for kv in torch_past for t in kv]
-            err_cache = max(err_cache, max(float(np.abs(o - t.numpy()).max()) for o, t in zip(outs[1:], flat)))
+            cache_errs = (float(np.abs(o - t.numpy()).max()) for o, t in zip(outs[1:], flat, strict=True))
+            err_cache = max(err_cache, max(cache_errs))
             if step == 0:
                 err_prefill = err
             else:

@@ -11,7 +11,7 @@ from crosstrain.errors import CheckpointError
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from crosstrain.checkpoint.manager import step_dirs
+    from crosstrain.checkpoint.manager import looks_like_step_dir, step_dirs
     from crosstrain.checkpoint.verify import verify
 
     path = Path(args.path)
@@ -22,6 +22,9 @@ def _verify(args: argparse.Namespace) -> int:
             targets = [p for _, p in found]
         elif not path.exists():
             raise CheckpointError(f"no checkpoint at {path}; pass a step_N folder or a checkpoints folder")
+        elif path.is_dir() and not looks_like_step_dir(path):  # a run dir or checkpoints folder holding none
+            raise CheckpointError(f"{path} holds no checkpoints (a run saves one at its end unless "
+                                  "checkpoint.final=false, and every checkpoint.every steps)")
     reports = [verify(p, checksums=not args.quick) for p in targets]
     if args.json:
         print(json.dumps([r.as_dict() for r in reports], indent=1))
@@ -54,18 +57,21 @@ def _ls(args: argparse.Namespace) -> int:
     for step, path in step_dirs(folder):
         report = verify(path, checksums=args.check)
         rows.append({"step": step, "path": str(path), "bytes": report.bytes, "ok": report.ok,
-                     "latest": path.name == pointer, "problems": report.problems})
+                     "verified": bool(args.check), "latest": path.name == pointer, "problems": report.problems})
+    # without --check only presence and sizes were checked: never call that "ok"
+    code = 0 if all(r["ok"] for r in rows) else 1
     if args.json:
         print(json.dumps(rows, indent=1))
-        return 0
+        return code
     if not rows:
         print(f"no checkpoints in {folder}")
         return 0
     for r in rows:
         mark = "*" if r["latest"] else " "
-        state = "ok" if r["ok"] else "BAD: " + "; ".join(r["problems"])
+        state = ("ok" if args.check else "unverified (sizes ok; --check reads the checksums)") if r["ok"] \
+            else "BAD: " + "; ".join(r["problems"])
         print(f"{mark} step_{r['step']:<8} {r['bytes'] / 2**20:10.1f} MiB  {state}")
-    return 0
+    return code
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,31 +1,13 @@
-"""``crosstrain data prepare FILES... --out data.bin`` and ``crosstrain data info data.bin``."""
+"""``crosstrain data prepare [FILES...] --out data.bin`` and ``crosstrain data info data.bin``."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
 from pathlib import Path
-
-import numpy as np
-
-CHUNK = 1 << 24
-
-
-def _chunks(files: list[str], tokenizer: object) -> Iterator[np.ndarray]:
-    for i, name in enumerate(files):
-        if i:
-            yield tokenizer.encode(b"\n\n")  # type: ignore[attr-defined]
-        with open(name, "rb") as fh:
-            while True:
-                block = fh.read(CHUNK)
-                if not block:
-                    break
-                yield tokenizer.encode(block)  # type: ignore[attr-defined]
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from crosstrain.data.tokenfile import write_token_file
-    from crosstrain.data.tokenizer import ByteTokenizer
+    from crosstrain.data.prepare import prepare as run_prepare
     from crosstrain.errors import ConfigError
 
     missing = [f for f in args.files if not Path(f).is_file()]
@@ -34,27 +16,44 @@ def prepare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise ConfigError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
-    tokenizer = ByteTokenizer()
-    count = write_token_file(out, _chunks(args.files, tokenizer), tokenizer.vocab_size)
-    print(f"wrote {count:,} tokens ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size}) to {out}")
+    if args.workers < 0:
+        raise ConfigError(f"--workers must be >= 0 (0 = one per CPU core), got {args.workers}")
+    tokenizer = "" if args.tokenizer == "byte" else args.tokenizer
+    manifest = run_prepare(args.files, out, tokenizer=tokenizer, text_field=args.text_field, workers=args.workers)
+    tok = manifest["tokenizer"]
+    name = "byte" if tok["type"] == "byte" else tok["path"]
+    rate = manifest["tokens"] / max(manifest["seconds"], 1e-9)
+    print(f"wrote {manifest['tokens']:,} tokens, {manifest['documents']:,} documents ({name} tokenizer, vocab "
+          f"{tok['vocab_size']}) to {out} in {manifest['seconds']:.1f}s ({rate:,.0f} tokens/s, "
+          f"{manifest['workers']} worker{'s' if manifest['workers'] > 1 else ''})")
     return 0
 
 
 def info(args: argparse.Namespace) -> int:
+    from crosstrain.data.manifest import read_manifest
     from crosstrain.data.tokenfile import read_header
 
     itemsize, count, vocab = read_header(args.file)
     print(f"{args.file}: {count:,} tokens, vocab {vocab}, {itemsize} byte(s) per token")
+    manifest = read_manifest(args.file)
+    if manifest is not None:
+        tok = manifest["tokenizer"]
+        name = "byte" if tok["type"] == "byte" else f"{tok['path']} (sha256 {tok['sha256'][:12]})"
+        print(f"  {manifest['documents']:,} documents, tokenizer {name}")
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="prepare token files for training")
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    prep = dsub.add_parser("prepare", help="tokenize text files into one memory-mappable token file")
-    prep.add_argument("files", nargs="+", help="text files")
-    prep.add_argument("--out", required=True, help="output token file (e.g. data.bin)")
-    prep.add_argument("--tokenizer", choices=["byte"], default="byte")
+    prep = dsub.add_parser("prepare", help="tokenize text, JSONL or Parquet files into one memory-mappable token file",
+                           description="Documents: a whole text file, a JSONL record's text field, a Parquet row's "
+                                       "text column. No files: the embedded corpus (its chapters).")
+    prep.add_argument("files", nargs="*", help="text, .jsonl/.ndjson or .parquet files (none: the embedded corpus)")
+    prep.add_argument("--out", required=True, help="output token file (e.g. data.bin), with a manifest next to it")
+    prep.add_argument("--tokenizer", default="byte", help='"byte" (default) or a folder with a tokenizer.json')
+    prep.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
+    prep.add_argument("--workers", type=int, default=0, help="tokenizing processes (0 = one per CPU core)")
     prep.set_defaults(func=prepare)
     inf = dsub.add_parser("info", help="describe a token file")
     inf.add_argument("file")

@@ -1,4 +1,4 @@
-"""``crosstrain kernels``: every declared op and the implementations registered for it."""
+"""``crosstrain kernels``: every declared op, its signature and the implementations registered for it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def collect() -> dict[str, Any]:
     for name, spec in sorted(registry.ops().items()):
         ops.append({
             "op": name,
+            "signature": f"{name}{spec.signature}",
             "doc": spec.doc,
             "implementations": [
                 {"backend": i.backend, "device_type": i.device_type, "priority": i.priority, "label": i.label}
@@ -32,13 +33,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"crosstrain kernels (mode: {data['mode']})")
-    table.add_column("op")
+    table.add_column("op and signature")
     table.add_column("implementations (backend/device: label, priority)")
     table.add_column("description")
     for op in data["ops"]:
         impls = ", ".join(f"{i['backend']}/{i['device_type']}: {i['label']} ({i['priority']})"
                           for i in op["implementations"])
-        table.add_row(op["op"], impls or "reference only", op["doc"])
+        table.add_row(op["signature"], impls or "reference only", op["doc"])
     Console().print(table)
     return 0
 

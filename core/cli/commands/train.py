@@ -10,23 +10,57 @@ def _worker_args(args: argparse.Namespace, run_dir: str) -> list[str]:
     out = ["train"]
     if args.config:
         out.append(args.config)
-    for item in args.set or []:
+    for item in _overrides(args):
         out += ["--set", item]
     out += ["--run-dir", run_dir]
     return out
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` items, with ``--recipe NAME`` as ``train.recipe=NAME`` (it wins over the config file)."""
+    return [*(args.set or []), *([f"train.recipe={args.recipe}"] if args.recipe else [])]
+
+
+def _eval_part(summary: dict) -> str:
+    """``, eval loss 1.2345 (best 1.2001 at step 300)`` when the run evaluated."""
+    import math
+
+    loss, best = summary.get("eval_loss"), summary.get("best_eval_loss")
+    if not isinstance(loss, float) or not math.isfinite(loss):
+        return ""
+    part = f", eval loss {loss:.4f}"
+    if isinstance(best, float) and math.isfinite(best) and best < loss:
+        part += f" (best {best:.4f} at step {summary.get('best_eval_step')})"
+    return part
+
+
+def _check_launch(args: argparse.Namespace) -> int:
+    """Validate --nproc / --nnodes / --max-restarts; returns the (maximum) number of nodes."""
+    from crosstrain.errors import ConfigError
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc={args.nproc} must be >= 1 (omit it to train in this process)")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0")
+    parts = str(args.nnodes).split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
+        raise ConfigError(f"--nnodes={args.nnodes!r} must be a number of nodes N >= 1 or a range MIN:MAX")
+    return int(parts[-1])
+
+
 def run(args: argparse.Namespace) -> int:
     from crosstrain.config import load_config
 
-    config = load_config(args.config, args.set or [])
-    if args.nproc:
+    config = load_config(args.config, _overrides(args))
+    if args.nproc is not None:
         from crosstrain.config import check_world
+        from crosstrain.engine.recipe import resolve_recipe
         from crosstrain.engine.state import new_run_dir
         from crosstrain.launch import launch
 
-        nnodes = int(str(args.nnodes).split(":")[-1])
+        nnodes = _check_launch(args)
         check_world(config, args.nproc * nnodes)  # fail fast, before any worker starts or file is written
+        resolve_recipe(config.train.recipe)
         run_dir = args.run_dir or str(new_run_dir(config.train.output_dir))
         return launch(_worker_args(args, run_dir), nproc=args.nproc, max_restarts=args.max_restarts,
                       nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint, run_dir=run_dir)
@@ -34,10 +68,11 @@ def run(args: argparse.Namespace) -> int:
 
     trainer = Trainer(config, run_dir=args.run_dir)
     summary = trainer.fit()
-    if summary and trainer.is_main:
+    if summary and trainer.is_main and not summary.get("already_complete"):  # that case said so itself
         print(f"crosstrain: {'stopped' if summary['preempted'] else 'done'}: {summary['steps']} steps on "
               f"{summary['backend']} x{summary['world_size']}, loss {summary['initial_loss']:.4f} -> "
-              f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:,.0f} tok/s, {summary['wall_s']:.1f} s; "
+              f"{summary['final_loss']:.4f}{_eval_part(summary)}, {summary['tokens_per_s']:,.0f} tok/s, "
+              f"{summary['wall_s']:.1f} s; "
               f"run dir {summary['run_dir']}", file=sys.stdout, flush=True)
     return 0
 
@@ -47,8 +82,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Train from a TOML config plus --set overrides; every key has a default.")
     p.add_argument("config", nargs="?", default=None, help="TOML config file (optional)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. --set optim.lr=3e-4")
+    p.add_argument("--recipe", default=None, metavar="NAME",
+                   help="what to train: lm (default) or a plugin's recipe; same as --set train.recipe=NAME")
     p.add_argument("--run-dir", default=None, help="run directory (default: <train.output_dir>/<timestamp>)")
-    p.add_argument("--nproc", type=int, default=0, help="start N local worker processes (torchrun's launcher)")
+    p.add_argument("--nproc", type=int, default=None, help="start N local worker processes (torchrun's launcher)")
     p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts of the workers (with --nproc)")
     p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (with --nproc)")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node, with --nproc)")

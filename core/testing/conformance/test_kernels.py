@@ -76,8 +76,33 @@ def test_reference_matches_plain_torch(device, op):
         expected = F.cross_entropy(args[0], args[1], ignore_index=-100)
     elif op == "linear_cross_entropy":
         expected = F.cross_entropy(args[0] @ args[1].t(), args[2], ignore_index=-100)
+    elif op in ("moe_permute", "moe_unpermute", "grouped_mm"):
+        expected = _moe_by_loops(op, args)
     else:  # rotary: rotating by angle then by -angle is the identity
         x, cos, sin = args
         expected = x
         ref = registry.reference(op)(ref, cos, -sin)
     torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+
+
+def _moe_by_loops(op: str, args: tuple) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The MoE ops written as plain per-expert / per-token Python loops."""
+    if op == "moe_permute":
+        tokens, expert_ids, num_experts = args
+        n, k = expert_ids.shape
+        slots = [(e, t * k + j) for e in range(num_experts) for t in range(n) for j in range(k)
+                 if int(expert_ids[t, j]) == e]
+        order = torch.tensor([slot for _, slot in slots], device=tokens.device)
+        counts = torch.tensor([sum(1 for e2, _ in slots if e2 == e) for e in range(num_experts)], device=tokens.device)
+        return tokens[order // k], order, counts
+    if op == "moe_unpermute":
+        permuted, order, weights = args
+        n, k = weights.shape
+        row_of_slot = {int(slot): i for i, slot in enumerate(order)}
+        return torch.stack([sum(weights[t, j] * permuted[row_of_slot[t * k + j]] for j in range(k)) for t in range(n)])
+    x, weights, counts = args
+    outs, start = [], 0
+    for g, count in enumerate(int(c) for c in counts):
+        outs.append(x[start:start + count] @ weights[g])
+        start += count
+    return torch.cat(outs)

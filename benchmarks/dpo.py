@@ -1,0 +1,99 @@
+"""DPO step time: crosstrain's ``dpo`` recipe vs a plain PyTorch DPO loop, and precomputed vs frozen reference.
+
+All runs use the same GPT preset, the embedded preference task, the same batch (``--batch-size`` pairs), AdamW,
+clipping and the same loss (``crosstrain.plugins.rlhf.losses.dpo_loss``), in one process. The plain loop does a
+policy forward, a reference forward under ``no_grad`` on the concatenated chosen+rejected batch, backward, clip
+and step; its step time covers the batch fetch too. crosstrain's is the Trainer's median ``step_time_s``. The
+runs alternate (``--rounds`` times) so machine noise hits both. Last line JSON: ``overhead_ratio`` (crosstrain /
+plain, frozen reference) and ``precomputed_over_frozen`` (crosstrain step time with ``rlhf.reference =
+"precomputed"`` / with the frozen copy).
+
+    python benchmarks/dpo.py [--preset tiny] [--steps 30] [--batch-size 16] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+
+def _config(args: argparse.Namespace, *extra: str):  # type: ignore[no-untyped-def]
+    from crosstrain.config import load_config
+
+    return load_config(None, [
+        "backend=cpu", "train.recipe=dpo", f"model.preset={args.preset}", f"train.steps={args.steps}",
+        f"train.batch_size={args.batch_size}", "train.seq_len=128", "eval.every=0", "checkpoint.every=0",
+        "checkpoint.final=false", "logging.progress=none", "logging.tensorboard=false", "schedule.warmup_steps=5",
+        *extra])
+
+
+def crosstrain_step(args: argparse.Namespace, *extra: str) -> float:
+    from crosstrain.engine import Trainer
+
+    with tempfile.TemporaryDirectory() as d:
+        return float(Trainer(_config(args, *extra), run_dir=d).fit()["median_step_time_s"])
+
+
+def plain_step(args: argparse.Namespace) -> float:
+    from crosstrain.data.tokenizer import ByteTokenizer
+    from crosstrain.models.gpt import build_gpt
+    from crosstrain.plugins.rlhf.data import encode_preferences
+    from crosstrain.plugins.rlhf.losses import dpo_loss, sequence_logps
+    from crosstrain.plugins.rlhf.synthetic import preference_rows
+
+    torch.manual_seed(0)
+    rows, _ = preference_rows(0.05)
+    ds = encode_preferences(ByteTokenizer(), rows, 128, 64)
+    policy = build_gpt(args.preset)
+    reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    opt = torch.optim.AdamW(policy.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = ds.batch(rng.choice(len(ds), args.batch_size, replace=False))
+        ids, mask = batch["input_ids"], batch["loss_mask"][:, 1:]
+        logps, lengths = sequence_logps(policy(ids[:, :-1]), ids[:, 1:], mask)
+        with torch.no_grad():
+            ref, _ = sequence_logps(reference(ids[:, :-1]), ids[:, 1:], mask)
+        pc, pr = logps.chunk(2)
+        rc, rr = ref.chunk(2)
+        loss = dpo_loss(pc, pr, rc, rr, beta=0.1)[0].mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ours, plain, pre = [], [], []
+    for _ in range(args.rounds):
+        ours.append(crosstrain_step(args))
+        plain.append(plain_step(args))
+        pre.append(crosstrain_step(args, "rlhf.reference=precomputed"))
+    o, p, q = statistics.median(ours), statistics.median(plain), statistics.median(pre)
+    print(f"crosstrain dpo step {o * 1e3:.1f} ms, plain PyTorch {p * 1e3:.1f} ms, precomputed reference "
+          f"{q * 1e3:.1f} ms ({args.preset}, {args.batch_size} pairs)")
+    print(json.dumps({"overhead_ratio": o / p, "precomputed_over_frozen": q / o, "crosstrain_step_s": o,
+                      "plain_step_s": p, "precomputed_step_s": q, "preset": args.preset,
+                      "batch_size": args.batch_size}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Disk space for a checkpoint: checked before writing, and a full disk reported as such when a write fails.
+
+A full disk surfaces from deep inside torch's writer in many forms (``OSError: [Errno 28]``, or the zip
+writer's ``[enforce fail at inline_container.cc] unexpected pos``); whatever the form, when the folder's file
+system has less room than the checkpoint needs, the user reads one line saying so, with both sizes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from crosstrain.errors import CheckpointError
+
+_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "unexpected pos")
+
+
+class NoSpaceError(CheckpointError):
+    """The checkpoint does not fit on the file system it is written to."""
+
+
+#: what a checkpoint holds besides tensor bytes: per tensor its zip entry, metadata and JSON skeleton (about
+#: 2 KiB measured on the tiny GPT), per checkpoint a few small files, each rounded up to a page.
+PER_TENSOR_BYTES = 2048
+PER_CHECKPOINT_BYTES = 16384
+
+
+def estimate_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """About the bytes this rank writes for ``tensors`` (a sharded tensor counts its local shard only)."""
+    total = PER_CHECKPOINT_BYTES + PER_TENSOR_BYTES * len(tensors)
+    for t in tensors.values():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Free bytes on the file system holding ``path`` (its nearest existing parent); None when unknown."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n < 1e8 else f"{n / 1e6:,.0f} MB"
+
+
+def no_space(path: str | os.PathLike[str], needed: int, rank: int | None = None) -> NoSpaceError:
+    """The one-line error; ``rank``: the rank whose write failed (multi-process saves)."""
+    free = free_bytes(path)
+    room = f", {_mb(free)} free" if free is not None else ""
+    where = f" (rank {rank})" if rank is not None else ""
+    return NoSpaceError(f"no space left on device at {path}{where} (needed about {_mb(needed)}{room}); free some "
+                        "space or lower checkpoint.keep_last; the previous checkpoint and 'latest' are still valid")
+
+
+def check(path: str | os.PathLike[str], needed: int) -> NoSpaceError | None:
+    """A :class:`NoSpaceError` when ``needed`` bytes clearly do not fit at ``path``; None when they may."""
+    free = free_bytes(path)
+    return no_space(path, needed) if free is not None and needed > free else None
+
+
+def looks_like_no_space(error: BaseException | str, path: str | os.PathLike[str], needed: int) -> bool:
+    """Whether a failed write failed for want of space: its errno or text says so, or the disk is now full."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return True
+    if any(text in str(error).lower() for text in _NO_SPACE_TEXT):
+        return True
+    free = free_bytes(path)
+    return free is not None and free < min(needed, 1 << 20)

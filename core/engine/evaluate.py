@@ -1,0 +1,79 @@
+"""Evaluation over a recipe's held-out samples, under any parallel layout, without touching training state.
+
+Batches are taken in order (no RNG, no sampler), ``batch_size`` sequences each, split across data-parallel
+ranks like a training step; the models run in eval mode under ``torch.no_grad()``; losses and metrics are
+averaged over data-parallel ranks and then over batches, so every layout reports what one process would.
+Perplexity is ``exp(loss)`` of the mean token cross-entropy (nats).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from crosstrain.engine.models import TrainedModel
+from crosstrain.engine.recipe import Recipe, RecipeDataset
+from crosstrain.engine.step import to_device
+from crosstrain.errors import ConfigError
+
+
+def eval_batches(num_samples: int, batch_size: int, steps: int) -> int:
+    """How many full eval batches one evaluation runs (``steps`` 0: the whole split)."""
+    full = num_samples // batch_size
+    return min(full, steps) if steps else full
+
+
+def check_eval(num_samples: int, batch_size: int, dp_size: int, microbatches: int) -> None:
+    """One-line errors for eval settings that cannot run on this data and layout."""
+    if batch_size % (dp_size * microbatches):
+        raise ConfigError(f"eval.batch_size={batch_size} must be divisible by the data-parallel degree ({dp_size})"
+                          + (f" x pipeline micro-batches ({microbatches})" if microbatches > 1 else "")
+                          + "; change eval.batch_size")
+    if num_samples < batch_size:
+        raise ConfigError(f"the validation data has {num_samples} samples, fewer than eval.batch_size={batch_size}; "
+                          "lower eval.batch_size or raise data.val_fraction")
+
+
+@torch.no_grad()
+def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: TrainedModel, dataset: RecipeDataset, *,
+             batch_size: int, steps: int, dp_rank: int, dp_size: int, device: torch.device) -> dict[str, float]:
+    """``eval/loss``, ``eval/perplexity``, ``eval/<metric>`` and ``time_eval_s`` (the same on every rank)."""
+    start = time.perf_counter()
+    pm = primary.parallel
+    modules = {name: m.module for name, m in models.items()}
+    was_training = {name: m.module.training for name, m in models.items()}
+    for m in models.values():
+        m.module.eval()
+    per_rank = batch_size // dp_size
+    sums: torch.Tensor | None = None
+    names: list[str] = ["loss"]
+    n = eval_batches(len(dataset), batch_size, steps)
+    try:
+        for b in range(n):
+            first = b * batch_size + dp_rank * per_rank
+            batch = to_device(dataset.batch(np.arange(first, first + per_rank)), device)
+            if pm.schedule is not None:
+                values = pm.eval_loss(*recipe.pipeline_batch(batch)).reshape(1)
+            else:
+                with pm.autocast():
+                    out = recipe.eval_loss(modules, batch)
+                names = ["loss", *out.metrics]
+                parts = [out.loss, *(torch.as_tensor(v, device=out.loss.device) for v in out.metrics.values())]
+                values = pm.finish_loss_reduce(pm.start_loss_reduce(torch.stack(
+                    [v.detach().float().reshape(()) for v in parts])))
+            sums = values if sums is None else sums + values
+    finally:
+        for name, m in models.items():
+            m.module.train(was_training[name])
+    if sums is None:
+        return {}
+    means = (sums / n).tolist()
+    result = {f"eval/{name}": value for name, value in zip(names, means, strict=True)}
+    loss = result["eval/loss"]
+    result["eval/perplexity"] = math.exp(loss) if loss < 700 else float("inf")
+    result["time_eval_s"] = time.perf_counter() - start
+    return result

@@ -1,0 +1,150 @@
+"""Recipes: what is trained and how, apart from the loop that guarantees how training runs.
+
+The loop (:class:`crosstrain.engine.Trainer`) owns counters, gradient accumulation, clipping, mixed precision
+and fp16 loss scaling, the non-finite guard and rollback, checkpoints and exact resume, preemption, metrics
+and teardown. A recipe owns its named models (trainable or frozen), its dataset, the loss of one micro-batch
+and any extra state to checkpoint. The loop calls the recipe; a recipe never re-implements a loop guarantee.
+
+Recipes come from the built-in ``lm`` (next-token pretraining, the default) and from plugins'
+``crosstrain_recipe(name)`` hooks; ``train.recipe`` / ``crosstrain train --recipe NAME`` picks one.
+See docs/recipes.md for a complete recipe plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from crosstrain import pluginmanager
+from crosstrain.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from crosstrain.config import Config
+    from crosstrain.engine.context import RunContext
+
+
+@dataclass
+class ModelSpec:
+    """One model of a recipe. Trainable models get gradients, an optimizer and a checkpoint entry; frozen ones
+    are parallelised for inference only and recorded in checkpoints by ``source`` and SHA-256, not re-saved."""
+
+    module: nn.Module
+    trainable: bool = True
+    source: str = ""
+
+
+@dataclass
+class MicroBatchLoss:
+    """A recipe's result for one micro-batch: the scalar ``loss`` the loop backpropagates (auxiliary losses
+    are added by the loop) and extra ``metrics`` (scalars), averaged over micro-batches and data-parallel
+    ranks like the loss and reported under their own names (e.g. TRL's ``rewards/chosen``)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor | float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RecipeDataset(Protocol):
+    """Samples addressed by index; the loop's resumable sampler picks the indices for each rank."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: Any) -> Any:
+        """The batch of these sample indices: a tensor, or a tuple/list/dict of tensors."""
+        ...
+
+
+class Recipe:
+    """Base class of recipes; override :meth:`build_models`, :meth:`build_dataset` and :meth:`loss`."""
+
+    #: the name ``train.recipe`` selects it by.
+    name: ClassVar[str] = ""
+    #: whether the recipe runs under ``parallel.pp > 1``: then it has exactly one model and supplies
+    #: :meth:`pipeline_batch` and :meth:`pipeline_loss`, which the pipeline schedule calls.
+    supports_pipeline: ClassVar[bool] = False
+    #: evaluate once before the first step too (summary.json gets ``eval_before`` and ``eval_after``).
+    eval_at_start: ClassVar[bool] = False
+
+    def validate(self, config: Config) -> None:
+        """Check what a user can get wrong before any process group, file or model exists (raise ConfigError)."""
+
+    def build_models(self, context: RunContext) -> dict[str, ModelSpec]:
+        """The models by name, built identically on every rank (the loop seeded every RNG with train.seed).
+
+        The first trainable model is the primary one (its ``params_sha256`` is the run's).
+        """
+        raise NotImplementedError
+
+    def build_dataset(self, context: RunContext) -> RecipeDataset:
+        raise NotImplementedError
+
+    def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
+        """The loss of one micro-batch. ``models`` are this rank's (parallelised) modules; call frozen ones
+        under ``torch.no_grad()``. Runs under the loop's autocast and gradient-sync contexts."""
+        raise NotImplementedError
+
+    def build_eval_dataset(self, context: RunContext) -> RecipeDataset | None:
+        """Held-out samples for periodic evaluation (``[eval]``), or None for a recipe without evaluation."""
+        return None
+
+    def eval_loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
+        """The loss (and metrics) of one eval batch; runs under ``torch.no_grad()`` with the models in eval mode.
+
+        Defaults to :meth:`loss`; metrics are reported as ``eval/<name>``.
+        """
+        return self.loss(models, batch)
+
+    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` that the pipeline schedule feeds its first and last stage."""
+        raise NotImplementedError
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss the last pipeline stage computes from its output and the targets."""
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        """Extra ``{key: Stateful}`` to checkpoint with the models (e.g. a running baseline)."""
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """Extra keys for summary.json."""
+        return {}
+
+    def data_split(self) -> dict[str, Any]:
+        """How the data was split into training and validation parts; the loop writes it to data_split.json."""
+        return {}
+
+
+def builtin_recipes() -> dict[str, type[Recipe]]:
+    from crosstrain.recipes.lm import LMRecipe
+
+    return {LMRecipe.name: LMRecipe}
+
+
+def recipe_names() -> list[str]:
+    """Every recipe name known here: built-ins, then each plugin's ``recipe_names()`` if it lists them."""
+    names = list(builtin_recipes())
+    for _, listed in pluginmanager.call_each("crosstrain_recipe_names"):
+        names += [n for n in (listed or []) if n not in names]
+    return names
+
+
+def resolve_recipe(name: str) -> Recipe:
+    """The recipe called ``name`` (built-in first, then plugins); unknown names list the known ones."""
+    builtin = builtin_recipes().get(name)
+    if builtin is not None:
+        return builtin()
+    for plugin_name, found in pluginmanager.call_strict("crosstrain_recipe", "provide a recipe", name=name):
+        if found is None:
+            continue
+        recipe = found() if isinstance(found, type) else found
+        if not isinstance(recipe, Recipe):
+            raise PluginError(f"plugin {plugin_name!r} returned {type(recipe).__name__} for recipe {name!r}, "
+                              "not a crosstrain.engine.recipe.Recipe")
+        return recipe
+    raise ConfigError(f"train.recipe={name!r} is not a known recipe; known: {', '.join(recipe_names())} "
+                      "(plugins add more; `crosstrain backends` lists the loaded plugins)")

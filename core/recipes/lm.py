@@ -1,0 +1,195 @@
+"""``lm``: next-token language-model pretraining, crosstrain's default recipe.
+
+One trainable model (the built-in GPT from ``model.preset``, or ``model.import_path``'s callable), batches of
+``(inputs, targets)`` cut from the token dataset, and the mean token cross-entropy through the kernel
+registry (``crosstrain.kernels.cross_entropy``). Runs under every layout, pipeline parallelism included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from crosstrain import kernels
+from crosstrain.config import Config, gpt_config, resolve_import_path
+from crosstrain.data import TokenDataset
+from crosstrain.data.dataset import build_datasets
+from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
+from crosstrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from crosstrain.engine.context import RunContext
+
+
+def build_model(config: Config) -> nn.Module:
+    """The built-in GPT from ``model.preset`` (+ overrides) or with ``model.init_from``'s Hugging Face weights, or
+    ``model.import_path``'s callable."""
+    if config.model.import_path:
+        builder = resolve_import_path(config.model.import_path)
+        model = builder(config.model)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model.import_path {config.model.import_path!r} returned "
+                              f"{type(model).__name__}, not a torch.nn.Module")
+        return model
+    from crosstrain.models.gpt import GPT
+
+    model = GPT(gpt_config(config))
+    if config.model.init_from:
+        from crosstrain.models.hf import is_hf_folder, load_hf_weights
+
+        if is_hf_folder(config.model.init_from):
+            load_hf_weights(model, config.model.init_from)
+        else:
+            load_crosstrain_weights(model, config.model.init_from)
+    return model
+
+
+def crosstrain_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The full model tensors of ``FILE.safetensors`` or of a checkpoint saved under any layout (a ``step_N``
+    folder, a checkpoints folder or a run dir: the newest valid checkpoint), and the resolved source path."""
+    source = crosstrain_weights_source(path)
+    if source.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(source)), str(source)
+    from crosstrain.checkpoint.consolidate import load_consolidated
+    from crosstrain.errors import CheckpointError
+
+    try:
+        return load_consolidated(source), str(source)
+    except CheckpointError as exc:
+        raise ConfigError(f"model.init_from {path!r}: {exc}") from None
+
+
+def crosstrain_weights_source(path: str) -> Any:
+    """The file or ``step_N`` folder that ``model.init_from = path`` reads (a Path)."""
+    from pathlib import Path
+
+    from crosstrain.checkpoint.manager import resolve
+    from crosstrain.errors import CheckpointError
+
+    p = Path(path)
+    if p.is_file() and p.suffix == ".safetensors":
+        return p.resolve()
+    if not p.is_dir():
+        raise ConfigError(f"model.init_from {path!r} does not exist; pass a run dir, a checkpoint folder, a "
+                          "FILE.safetensors or a Hugging Face model folder")
+    try:
+        return resolve(p).path.resolve()
+    except CheckpointError as exc:
+        raise ConfigError(f"model.init_from {path!r}: {exc}") from None
+
+
+@torch.no_grad()
+def load_crosstrain_weights(model: nn.Module, path: str) -> None:
+    """Copy crosstrain weights (:func:`crosstrain_weights`) into ``model``, every name and shape checked."""
+    tensors, source = crosstrain_weights(path)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    wrong = [k for k in own if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or wrong:
+        what = (f"shape of {wrong[0]} {tuple(tensors[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}" if wrong
+                else f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}")
+        raise ConfigError(f"model.init_from {source} does not fit this model ({what}); set the model.* keys "
+                          "the source was trained with")
+    for name, value in own.items():
+        value.copy_(tensors[name].to(value.dtype))
+
+
+def init_from_record(config: Config, model: nn.Module) -> dict[str, Any] | None:
+    """What summary.json records about ``model.init_from``: the folder, its model_type and the
+    ``params_sha256`` of the weights as imported (call before training changes them); None without init_from."""
+    if not config.model.init_from:
+        return None
+    from pathlib import Path
+
+    from crosstrain.engine.state import params_sha256
+    from crosstrain.models.hf import is_hf_folder, read_hf_config
+
+    sha = params_sha256({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)})
+    if not is_hf_folder(config.model.init_from):  # crosstrain weights: the step folder or file actually read
+        return {"source": str(crosstrain_weights_source(config.model.init_from)), "format": "crosstrain",
+                "sha256": sha}
+    return {"source": str(Path(config.model.init_from).resolve()),
+            "model_type": read_hf_config(config.model.init_from).get("model_type"),
+            "sha256": sha}
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [..., V]`` against ``targets [...]``."""
+    return kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class LMRecipe(Recipe):
+    """Pretraining: the model named ``model`` learns to predict each next token."""
+
+    name = "lm"
+    supports_pipeline = True
+
+    def __init__(self) -> None:
+        self.dataset: TokenDataset | None = None
+        self.eval_dataset: TokenDataset | None = None
+        self.split: dict[str, Any] = {}
+        self.init_record: dict[str, Any] | None = None
+
+    def validate(self, config: Config) -> None:
+        if config.model.import_path:
+            resolve_import_path(config.model.import_path)
+        from crosstrain.data.manifest import check_tokenizer
+
+        for path in (config.data.path, config.data.val_path):
+            if path:
+                check_tokenizer(path, config.data.tokenizer)
+        self.dataset, self.eval_dataset, self.split = build_datasets(config.data, config.train.seq_len)
+        if config.data.packing == "documents":
+            if config.model.import_path or config.parallel.pp > 1:
+                raise ConfigError("data.packing='documents' needs the built-in GPT (it takes doc_ids) and "
+                                  "parallel.pp=1; set data.packing='concat'")
+            from crosstrain.data.packing import pack_datasets
+
+            self.dataset, self.eval_dataset = pack_datasets(  # type: ignore[assignment]
+                config.data, self.dataset, self.eval_dataset, self.split)
+        if not config.model.import_path:
+            vocab = gpt_config(config).vocab_size
+            if self.dataset.vocab_size > vocab:
+                raise ConfigError(f"the data's vocabulary ({self.dataset.vocab_size}) is larger than "
+                                  f"model.vocab_size={vocab}; raise model.vocab_size")
+
+    def build_models(self, context: RunContext) -> dict[str, ModelSpec]:
+        model = build_model(context.config)
+        self.init_record = init_from_record(context.config, model)
+        return {"model": ModelSpec(model)}
+
+    def summary(self) -> dict[str, Any]:
+        return {"init_from": self.init_record} if self.init_record else {}
+
+    def build_dataset(self, context: RunContext) -> TokenDataset:
+        if self.dataset is None:
+            self.validate(context.config)
+        assert self.dataset is not None
+        return self.dataset
+
+    def build_eval_dataset(self, context: RunContext) -> TokenDataset | None:
+        self.build_dataset(context)
+        return self.eval_dataset
+
+    def data_split(self) -> dict[str, Any]:
+        return self.split
+
+    def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
+        if len(batch) == 3:  # data.packing = "documents": (inputs, targets, doc_ids)
+            inputs, targets, doc_ids = batch
+            return MicroBatchLoss(next_token_loss(models["model"](inputs, doc_ids=doc_ids), targets))
+        inputs, targets = batch
+        return MicroBatchLoss(next_token_loss(models["model"](inputs), targets))
+
+    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = batch
+        return inputs, targets
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(output, target)

@@ -1,0 +1,39 @@
+"""``[moe]``: which blocks become Mixture-of-Experts layers and how they route, drop and balance tokens."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class MoESection(BaseModel):
+    """``experts = 0`` (the default) leaves the model dense; the other keys only matter when it is > 0."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    experts: int = Field(default=0, ge=0, description="routed experts per MoE layer; 0 = dense model")
+    top_k: int = Field(default=2, ge=1, description="experts each token is sent to")
+    every: int = Field(default=1, ge=1, description="block i is an MoE layer when (i + 1) % every == 0")
+    shared_experts: int = Field(default=0, ge=0, description="always-on experts added to every token")
+    expert_dim: int = Field(default=0, ge=0, description="hidden size of one expert; 0 = the dense "
+                            "hidden size / (top_k + shared_experts): equal active parameters")
+    capacity_factor: float = Field(default=0.0, ge=0, description="0 = dropless; else capacity = "
+                                   "ceil(tokens * top_k / experts * capacity_factor) per expert")
+    drop_policy: Literal["probs", "position"] = "probs"
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    jitter: float = Field(default=0.0, ge=0, lt=1, description="multiplicative router-input noise in training")
+    aux_loss: Literal["micro_batch", "sequence", "global", "none"] = "micro_batch"
+    aux_loss_coeff: float = Field(default=0.01, ge=0)
+    z_loss_coeff: float = Field(default=0.001, ge=0)
+    bias_update_rate: float = Field(default=0.0, ge=0, description="aux-loss-free balancing; 0 = off")
+    exchange_timeout_s: float = Field(default=60.0, gt=0, description="how long an expert-parallel rank "
+                                      "waits for the others to agree on split sizes before raising")
+    upcycle_from: str = Field(default="", description="run dir or checkpoint of a dense run to copy every "
+                              "expert from")
+
+    @model_validator(mode="after")
+    def _check(self) -> MoESection:
+        if self.experts and self.top_k > self.experts:
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.experts={self.experts}; use top_k <= experts")
+        return self

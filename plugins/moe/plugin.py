@@ -1,0 +1,33 @@
+"""The MoE plugin's hooks: the ``[moe]`` section, the model transform and the aux-loss-free bias update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import crosstrain
+
+
+@crosstrain.hookimpl
+def crosstrain_config_sections() -> dict[str, type]:
+    from crosstrain.plugins.moe.config import MoESection
+
+    return {"moe": MoESection}
+
+
+@crosstrain.hookimpl
+def crosstrain_transform_model(model: torch.nn.Module, config: Any, name: str) -> torch.nn.Module | None:
+    from crosstrain.plugins.moe.setup import transform
+
+    return transform(model, config)
+
+
+@crosstrain.hookimpl
+def crosstrain_after_optimizer_step(context: Any, step: int) -> None:
+    from crosstrain.plugins.moe.transform import moe_layers
+
+    for name in context.optimizers:
+        for layer in moe_layers(context.models[name]):
+            if layer.cfg.bias_update_rate > 0:
+                layer.update_bias()

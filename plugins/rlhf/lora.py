@@ -1,0 +1,78 @@
+"""LoRA adapters on the GPT's linear layers (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models",
+arXiv:2106.09685): ``y = x W^T + (alpha / r) * dropout(x) A^T B^T`` with ``A [r, in]`` (Kaiming-uniform, as
+PEFT) and ``B [out, r]`` zero, so a fresh adapter leaves the model unchanged. The base weights are frozen.
+
+Adapted layers keep their class's parameter names (``wq.weight``) and add ``wq.lora_A`` / ``wq.lora_B``, so
+checkpoints of the base weights keep their layout. :func:`adapters_disabled` runs the base model (DPO's reference
+under LoRA: no second copy of the weights); :func:`merge_lora` folds the adapters into plain weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` with a low-rank update; made in place from an existing Linear by :func:`add_lora`."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    lora_scaling: float
+    lora_enabled: bool
+    lora_dropout: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora_enabled:
+            out = out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.lora_scaling
+        return out
+
+
+def add_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, targets: list[str]) -> list[str]:
+    """Freeze ``model`` and turn every ``nn.Linear`` whose attribute name is in ``targets`` into a LoRALinear;
+    returns the adapted module names."""
+    model.requires_grad_(False)
+    adapted = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name.rsplit(".", 1)[-1] in targets:
+            a = torch.empty(rank, module.in_features, device=module.weight.device, dtype=module.weight.dtype)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            module.__class__ = LoRALinear
+            module.lora_A = nn.Parameter(a)
+            module.lora_B = nn.Parameter(torch.zeros(module.out_features, rank, device=a.device, dtype=a.dtype))
+            module.lora_scaling = alpha / rank  # type: ignore[assignment]
+            module.lora_enabled = True  # type: ignore[assignment]
+            module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+            adapted.append(name)
+    return adapted
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its frozen base (every adapter off) inside the block."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.lora_enabled = True
+
+
+def merge_lora(state_dict: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """Plain weights from a state dict with adapters: ``W + scaling * B @ A`` for each ``X.lora_A``/``X.lora_B``."""
+    out = {k: v for k, v in state_dict.items() if not k.endswith((".lora_A", ".lora_B"))}
+    for key in state_dict:
+        if key.endswith(".lora_A"):
+            stem = key[: -len(".lora_A")]
+            a, b = state_dict[key], state_dict[stem + ".lora_B"]
+            w = out[stem + ".weight"]
+            out[stem + ".weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+    return out

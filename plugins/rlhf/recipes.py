@@ -1,0 +1,331 @@
+"""The ``sft``, ``rm`` and ``dpo`` recipes on the core Recipe API (docs/rlhf.md).
+
+Each reads JSONL rows from ``data.path`` (held-out rows from ``data.val_path``, else the last
+``data.val_fraction`` of the rows) or, with no ``data.path``, its embedded synthetic task
+(:mod:`crosstrain.plugins.rlhf.synthetic`). ``model.init_from`` starts from trained weights (crosstrain.recipes.lm).
+All three evaluate once before training as well (``eval_before`` / ``eval_after`` in summary.json).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from crosstrain.config import Config, gpt_config
+from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
+from crosstrain.errors import ConfigError
+from crosstrain.plugins.rlhf import data as rdata
+from crosstrain.plugins.rlhf import synthetic
+from crosstrain.plugins.rlhf.lora import adapters_disabled
+from crosstrain.plugins.rlhf.losses import (
+    bradley_terry_loss,
+    dpo_loss,
+    preference_accuracy,
+    sequence_logps,
+    sft_loss,
+    strict_accuracy,
+    token_logps,
+)
+from crosstrain.recipes.lm import build_model, init_from_record
+
+
+def _section(config: Config) -> Any:
+    return config.section("rlhf")
+
+
+def _split(rows: list[Any], fraction: float, path: str) -> tuple[list[Any], list[Any]]:
+    n_val = max(1, math.ceil(fraction * len(rows)))
+    if n_val >= len(rows):
+        raise ConfigError(f"{path} has {len(rows)} rows: too few to hold out data.val_fraction={fraction}; "
+                          "add rows or set data.val_path")
+    return rows[:-n_val], rows[-n_val:]
+
+
+class RLHFRecipe(Recipe):
+    """What the three recipes share: data, tokenizer, limits, ``init_from`` and the summary."""
+
+    kind = "sft"  # "sft" rows or "preference" rows
+    eval_at_start = True  # the loop evaluates before the first step too (eval_before in summary.json)
+
+    def __init__(self) -> None:
+        self.dataset: Any = None
+        self.eval_dataset: Any = None
+        self.stats: dict[str, Any] = {}
+        self.init_record: dict[str, Any] | None = None
+
+    def validate(self, config: Config) -> None:
+        from crosstrain.data.hf_tokenizer import load_tokenizer
+
+        sec = _section(config)
+        if config.parallel.pp > 1:
+            raise ConfigError(f"--recipe {self.name} does not support pipeline parallelism; set parallel.pp=1")
+        if config.data.packing != "concat":
+            raise ConfigError(f"--recipe {self.name} pads pairs and does not pack documents; set data.packing='concat'")
+        max_length = sec.max_length or config.train.seq_len
+        if not config.model.import_path and max_length > gpt_config(config).max_seq_len + 1:
+            raise ConfigError(f"rlhf.max_length={max_length} exceeds the model's max_seq_len+1; lower "
+                              "rlhf.max_length (or train.seq_len) or raise model.max_seq_len")
+        max_prompt = sec.max_prompt_length or max_length // 2
+        self.tokenizer = load_tokenizer(config.data.tokenizer)
+        parse = rdata.parse_sft_row if self.kind == "sft" else rdata.parse_preference_row
+        skipped = 0
+        if config.data.path:
+            rows, skipped = rdata.read_jsonl(config.data.path, parse, skip_bad_rows=config.data.skip_bad_rows)
+            if config.data.val_path:
+                val, s = rdata.read_jsonl(config.data.val_path, parse, skip_bad_rows=config.data.skip_bad_rows)
+                skipped += s
+            else:
+                rows, val = _split(rows, config.data.val_fraction, config.data.path)
+            source = config.data.path
+        else:
+            make = synthetic.sft_rows if self.kind == "sft" else synthetic.preference_rows
+            rows, val = make(config.data.val_fraction or 0.05)
+            source = f"embedded {self.kind} task (crosstrain.plugins.rlhf.synthetic)"
+        encode = rdata.encode_sft if self.kind == "sft" else rdata.encode_preferences
+        self.dataset = encode(self.tokenizer, rows, max_length, max_prompt)
+        self.eval_dataset = encode(self.tokenizer, val, max_length, max_prompt)
+        self.embedded = not config.data.path
+        if not config.model.import_path and self.tokenizer.vocab_size > gpt_config(config).vocab_size:
+            raise ConfigError(f"the tokenizer's vocabulary ({self.tokenizer.vocab_size}) is larger than "
+                              f"model.vocab_size={gpt_config(config).vocab_size}; raise model.vocab_size")
+
+        def truncated(ds: Any) -> int:
+            if self.kind == "sft":
+                return sum(r.truncated for r in ds.rows)
+            return sum(c.truncated or r.truncated for c, r in ds.pairs)
+
+        self.stats = {"source": source, "train_rows": len(self.dataset), "eval_rows": len(self.eval_dataset),
+                      "skipped_rows": skipped, "truncated_rows": truncated(self.dataset) + truncated(self.eval_dataset),
+                      "max_length": max_length, "max_prompt_length": max_prompt}
+
+    def build_dataset(self, context: Any) -> Any:
+        if self.dataset is None:
+            self.validate(context.config)
+        return self.dataset
+
+    def build_eval_dataset(self, context: Any) -> Any:
+        self.build_dataset(context)
+        return self.eval_dataset
+
+    def data_split(self) -> dict[str, Any]:
+        return {"rows": {"train": self.stats.get("train_rows"), "eval": self.stats.get("eval_rows")},
+                "source": self.stats.get("source")}
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rlhf_data": self.stats}
+        if self.init_record:
+            out["init_from"] = self.init_record
+        return out
+
+    def _policy(self, context: Any) -> nn.Module:
+        self.sec = _section(context.config)
+        model = build_model(context.config)
+        self.init_record = init_from_record(context.config, model)
+        return model
+
+
+def _shifted(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = batch["input_ids"]
+    return ids[:, :-1], ids[:, 1:], batch["loss_mask"][:, 1:]
+
+
+class SFTRecipe(RLHFRecipe):
+    """``sft``: masked next-token loss over completion tokens only (:func:`losses.sft_loss`)."""
+
+    name = "sft"
+
+    def build_models(self, context: Any) -> dict[str, ModelSpec]:
+        return {"policy": ModelSpec(self._policy(context))}
+
+    def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
+        inputs, labels, mask = _shifted(batch)
+        nll = -token_logps(models["policy"](inputs), labels)
+        loss = sft_loss(nll, mask).mean()
+        return MicroBatchLoss(loss, {"truncated": batch["truncated"].float().mean()})
+
+
+class RewardRecipe(RLHFRecipe):
+    """``rm``: the GPT with a scalar head (``output`` replaced by ``Linear(dim, 1)``) read at the last non-pad token,
+    trained with the Bradley-Terry loss (:func:`losses.bradley_terry_loss`)."""
+
+    name = "rm"
+    kind = "preference"
+
+    def build_models(self, context: Any) -> dict[str, ModelSpec]:
+        model = self._policy(context)
+        if getattr(model, "output", None) is None or getattr(model, "config", None) is None:
+            raise ConfigError("--recipe rm needs the built-in GPT (it replaces its output head); "
+                              "unset model.import_path")
+        if context.config.parallel.tp > 1 or model.config.tie_embeddings:  # type: ignore[union-attr]
+            raise ConfigError("--recipe rm needs parallel.tp=1 and model.tie_embeddings=false (its scalar head "
+                              "replaces the LM head)")
+        dim = int(model.config.dim)  # type: ignore[union-attr, arg-type]
+        head = nn.Linear(dim, 1, bias=False)
+        nn.init.normal_(head.weight, std=dim**-0.5)
+        model.output = head
+        return {"reward": ModelSpec(model)}
+
+    def rewards(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = model(batch["input_ids"])[..., 0].float()  # [2B, T]
+        last = batch["attention_mask"].sum(-1) - 1
+        r = scores.gather(1, last.unsqueeze(1)).squeeze(1)
+        return r.chunk(2)  # type: ignore[return-value]
+
+    def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
+        rc, rr = self.rewards(models["reward"], batch)
+        loss = bradley_terry_loss(rc, rr, margin=self.sec.margin,
+                                  center_coefficient=self.sec.center_rewards_coefficient).mean()
+        return MicroBatchLoss(loss, {
+            "accuracy": strict_accuracy(rc, rr).mean(), "margin": (rc - rr).mean().detach(),
+            "rewards/chosen": rc.mean().detach(), "rewards/rejected": rr.mean().detach(),
+            "truncated": batch["truncated"].float().mean()})
+
+
+class DPORecipe(RLHFRecipe):
+    """``dpo``: the policy and a frozen copy of its starting weights as the reference (sharded like the policy,
+    no gradients), or under ``[lora]`` the policy with its adapters off; the DPO family of losses
+    (:func:`losses.dpo_loss`), metrics under TRL's names."""
+
+    name = "dpo"
+    kind = "preference"
+
+    def build_models(self, context: Any) -> dict[str, ModelSpec]:
+        policy = self._policy(context)
+        if self.sec.reference == "precomputed":  # one pass now, from the starting weights; no reference model
+            if self.dataset is None:
+                self.validate(context.config)
+            self.reference_checksum = precompute_reference(policy, [self.dataset, self.eval_dataset])
+            return {"policy": ModelSpec(policy)}
+        if context.config.section("lora").rank:  # the reference is the policy with its adapters off
+            return {"policy": ModelSpec(policy)}
+        reference = copy.deepcopy(policy)
+        source = (f"model.init_from {self.init_record['source']}" if self.init_record
+                  else f"initial weights (train.seed={context.config.train.seed})")
+        return {"policy": ModelSpec(policy), "reference": ModelSpec(reference, trainable=False, source=source)}
+
+    def _logps(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels, mask = _shifted(batch)
+        return sequence_logps(model(inputs), labels, mask)
+
+    def _pair_loss(self, models: Mapping[str, nn.Module], batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        logps, lengths = self._logps(models["policy"], batch)
+        with torch.no_grad():
+            if "reference_logps" in batch:
+                ref_logps = batch["reference_logps"]
+            elif "reference" in models:
+                ref_logps, _ = self._logps(models["reference"], batch)
+            else:
+                with adapters_disabled(models["policy"]):
+                    ref_logps, _ = self._logps(models["policy"], batch)
+        pc, pr = logps.chunk(2)
+        rc, rr = ref_logps.chunk(2)
+        cl, rl = lengths.chunk(2)
+        losses, chosen, rejected = dpo_loss(pc, pr, rc, rr, cl, rl, beta=self.sec.beta, loss_type=self.sec.loss_type,
+                                            label_smoothing=self.sec.label_smoothing)
+        metrics = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+                   "rewards/accuracies": strict_accuracy(chosen, rejected).mean(),
+                   "rewards/margins": (chosen - rejected).mean(),
+                   "logps/chosen": pc.detach().mean(), "logps/rejected": pr.detach().mean(),
+                   "preference_accuracy": preference_accuracy(chosen, rejected).mean(),
+                   "truncated": batch["truncated"].float().mean()}
+        return losses.mean(), metrics
+
+    reference_checksum = ""
+
+    def state(self) -> dict[str, Any]:
+        return {"rlhf_reference": _ReferenceChecksum(self)} if self.reference_checksum else {}
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        if self.reference_checksum:
+            out["reference_logps_sha256"] = self.reference_checksum
+        return out
+
+    def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
+        loss, metrics = self._pair_loss(models, batch)
+        return MicroBatchLoss(loss, metrics)
+
+    def eval_loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
+        loss, metrics = self._pair_loss(models, batch)
+        if self.embedded:  # the trait is known only for the embedded task
+            texts = greedy_completions(models["policy"], batch["prompt_ids"], batch["prompt_lengths"],
+                                       self.sec.max_new_tokens, self.tokenizer)
+            metrics["win_rate"] = sum(synthetic.shows_trait(t) for t in texts) / len(texts)
+        return MicroBatchLoss(loss, metrics)
+
+
+class _ReferenceChecksum:
+    """Checkpointed SHA-256 of the precomputed reference log-probs: resuming with different ones (other starting
+    weights or data) is a one-line error instead of a silently different objective."""
+
+    def __init__(self, recipe: DPORecipe) -> None:
+        self.recipe = recipe
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sha256": self.recipe.reference_checksum}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("sha256") != self.recipe.reference_checksum:
+            raise ConfigError("the precomputed reference log-probs differ from the checkpoint's (stale: other "
+                              "model.init_from weights or data); resume with the original ones or a new run dir")
+
+
+@torch.no_grad()
+def precompute_reference(model: nn.Module, datasets: list[Any], chunk: int = 32) -> str:
+    """Summed completion log-probs of ``model`` (the starting weights) for every pair of ``datasets``, stored on
+    each dataset as ``reference_logps [N, 2]``; returns their SHA-256. Runs unsharded on every rank (the same
+    numbers everywhere), in fp32, in eval mode."""
+    import hashlib
+
+    import numpy as np
+
+    was_training = model.training
+    model.eval()
+    digest = hashlib.sha256()
+    try:
+        for ds in datasets:
+            parts = []
+            for start in range(0, len(ds), chunk):
+                idx = np.arange(start, min(start + chunk, len(ds)))
+                batch = ds.batch(idx)
+                ids = batch["input_ids"]
+                logps, _ = sequence_logps(model(ids[:, :-1]), ids[:, 1:], batch["loss_mask"][:, 1:])
+                c, r = logps.float().chunk(2)
+                parts.append(torch.stack([c, r], dim=1))
+            ds.reference_logps = torch.cat(parts)
+            digest.update(ds.reference_logps.numpy().tobytes())
+    finally:
+        model.train(was_training)
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def greedy_completions(model: nn.Module, prompts: torch.Tensor, lengths: torch.Tensor, new_tokens: int,
+                       tokenizer: Any) -> list[str]:
+    """Greedy continuations of right-padded ``prompts [B, P]`` (true ``lengths [B]``), decoded.
+
+    Each step runs the whole buffer and reads every row at its own last token: under causal attention a row's
+    padding comes after all its real tokens, so it never changes them. The number of forwards is the same on
+    every rank (sharded models all-gather in step).
+    """
+    b = prompts.shape[0]
+    buf = torch.zeros(b, prompts.shape[1] + new_tokens, dtype=prompts.dtype, device=prompts.device)
+    buf[:, : prompts.shape[1]] = prompts
+    pos = lengths.clone().to(prompts.device)
+    rows = torch.arange(b, device=prompts.device)
+    for _ in range(new_tokens):
+        width = int(pos.max())
+        logits = model(buf[:, :width])
+        nxt = logits[rows, pos - 1].argmax(-1)
+        buf[rows, pos] = nxt.to(buf.dtype)
+        pos = pos + 1
+    start = lengths.tolist()
+    return [tokenizer.decode(buf[i, start[i] : start[i] + new_tokens].cpu().numpy()) for i in range(b)]
+
+
+RECIPES: dict[str, type[Recipe]] = {"sft": SFTRecipe, "rm": RewardRecipe, "dpo": DPORecipe}

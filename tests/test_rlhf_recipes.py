@@ -1,0 +1,156 @@
+"""The sft, rm and dpo recipes end to end on tiny models: eval_before/eval_after, model.init_from from a run dir
+and a safetensors file, DPO loss and weights equal on 1 vs 2 FSDP2 ranks and for grad_accum 1 vs 4 (fp32, 1e-5),
+a DPO run killed with SIGKILL and resumed ends with the uninterrupted run's params_sha256, and LoRA DPO (1 and
+2 FSDP2 ranks) trains the adapters only and exports merged weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from crosstrain.config import load_config
+from crosstrain.errors import ConfigError
+
+TINY = ["model.n_layers=2", "model.dim=32", "model.n_heads=2", "train.batch_size=4", "train.steps=8",
+        "rlhf.max_length=64", "rlhf.max_prompt_length=48", "rlhf.max_new_tokens=4", "eval.every=4", "eval.steps=1",
+        "eval.batch_size=4", "logging.progress=none", "logging.every=1", "backend=cpu", "optim.lr=1e-2",
+        "export.safetensors=true", "schedule.warmup_steps=2"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _cmd(recipe: str, run_dir: Path, *sets: str, nproc: int = 1) -> list[str]:
+    cmd = [sys.executable, "-m", "crosstrain", "train", "--recipe", recipe, "--run-dir", str(run_dir)]
+    for s in (*TINY, *sets):
+        cmd += ["--set", s]
+    return cmd + (["--nproc", str(nproc)] if nproc > 1 else [])
+
+
+def _train(recipe: str, run_dir: Path, *sets: str, nproc: int = 1) -> dict:
+    proc = subprocess.run(_cmd(recipe, run_dir, *sets, nproc=nproc), capture_output=True, text=True, env=_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "export" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("rlhf") / "sft"
+    summary = _train("sft", run)
+    assert summary["recipe"] == "sft"
+    assert summary["eval_after"]["loss"] < summary["eval_before"]["loss"]
+    assert summary["rlhf_data"]["truncated_rows"] > 0  # 48-token prompts + completions > max_length 64
+    return run
+
+
+def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_path) -> None:
+    init = (f"model.init_from={sft_run}", "optim.name=sgd")  # SGD: weights move linearly with the gradients
+    one = _train("dpo", tmp_path / "one", *init)
+    assert one["init_from"]["source"].endswith("step_8") and one["init_from"]["format"] == "crosstrain"
+    assert one["models"]["reference"]["trainable"] is False
+    assert one["eval_before"]["preference_accuracy"] == 0.5 and one["eval_before"]["loss"] == pytest.approx(
+        math.log(2), abs=1e-6)  # the policy starts equal to its reference
+    first = _metrics(tmp_path / "one")[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == 0.0
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected"} <= set(first)
+    assert "win_rate" in one["eval_after"]
+
+    pre = _train("dpo", tmp_path / "pre", *init, "rlhf.reference=precomputed")
+    assert "models" not in pre and len(pre["reference_logps_sha256"]) == 64
+    for a, b in zip(one["losses"], pre["losses"], strict=True):  # the same objective, reference in other batches
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a))
+
+    two = _train("dpo", tmp_path / "two", *init, "parallel.dp_shard=2", nproc=2)
+    accum = _train("dpo", tmp_path / "accum", *init, "train.grad_accum=4")
+    assert two["mesh"]["dp_shard"] == 2
+    w1 = _weights(tmp_path / "one")
+    for other, run in ((two, "two"), (accum, "accum")):
+        for a, b in zip(one["losses"], other["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), run
+        for ma, mb in zip(_metrics(tmp_path / "one"), _metrics(tmp_path / run), strict=True):
+            assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5, abs=1e-6), run
+        w2 = _weights(tmp_path / run)
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-5)
+
+
+def test_rm_from_safetensors_file(sft_run, tmp_path) -> None:
+    file = sft_run / "export" / "model.safetensors"
+    rm = _train("rm", tmp_path / "rm", f"model.init_from={file}", "rlhf.center_rewards_coefficient=0.01",
+                "export.safetensors=false")  # the exporter writes GPTs with an LM head, not reward models
+    assert rm["init_from"]["source"] == str(file.resolve())
+    assert {"accuracy", "margin"} <= set(rm["eval_after"]) and 0 <= rm["eval_after"]["accuracy"] <= 1
+
+
+def test_init_from_errors_are_one_line(sft_run, tmp_path) -> None:
+    from crosstrain.recipes.lm import build_model
+
+    sets = [s for s in TINY if not s.startswith("model.dim")]
+    cfg = load_config(None, [*sets, "model.dim=64", f"model.init_from={sft_run}"])
+    with pytest.raises(ConfigError, match=r"does not fit this model \(shape of .*\); set the model.\* keys") as e:
+        build_model(cfg)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_model(load_config(None, [*TINY, f"model.init_from={tmp_path / 'nope.safetensors'}"]))
+
+
+def test_dpo_killed_and_resumed_matches_uninterrupted(tmp_path) -> None:
+    sets = ("train.steps=40", "checkpoint.every=2", "model.dim=64", "model.n_heads=4", "train.batch_size=8",
+            "eval.every=0")
+    ref = _train("dpo", tmp_path / "ref", *sets)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd("dpo", run, *sets), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=_env(), start_new_session=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "step_4").is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (run / "summary.json").exists(), "the run finished before it could be killed"
+    resumed = _train("dpo", run, *sets)
+    assert resumed["steps"] == 40 and resumed["steps_this_run"] < 40
+    assert resumed["params_sha256"] == ref["params_sha256"]
+
+
+def test_lora_dpo_trains_adapters_only_and_exports_merged(sft_run, tmp_path) -> None:
+    from crosstrain.checkpoint.consolidate import load_consolidated
+
+    run = tmp_path / "lora"
+    sets = (f"model.init_from={sft_run}", "lora.rank=4", "train.steps=4", "optim.name=sgd")
+    summary = _train("dpo", run, *sets)
+    two = _train("dpo", tmp_path / "lora2", *sets, "parallel.dp_shard=2", nproc=2)  # adapters under FSDP2
+    for a, b in zip(summary["losses"], two["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a))
+    assert "models" not in summary  # one model: the reference is the policy with its adapters off
+    assert summary["eval_before"]["preference_accuracy"] == 0.5
+    start, saved = load_consolidated(sft_run / "checkpoints"), load_consolidated(run / "checkpoints")
+    assert any(k.endswith(".lora_B") and v.abs().max() > 0 for k, v in saved.items())
+    for name, value in start.items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0)  # the base stays frozen
+    merged = _weights(run)
+    assert sorted(merged) == sorted(start)  # a plain GPT
+    assert any(not torch.equal(merged[k], start[k]) for k in start)
+    for name, value in _weights(tmp_path / "lora2").items():
+        torch.testing.assert_close(value, merged[name], rtol=1e-5, atol=1e-5)
