@@ -4,9 +4,11 @@ All runs use the same GPT preset, the embedded preference task, the same batch (
 clipping and the same loss (``crosstrain.plugins.rlhf.losses.dpo_loss``), in one process. The plain loop does a
 policy forward, a reference forward under ``no_grad`` on the concatenated chosen+rejected batch, backward, clip
 and step; its step time covers the batch fetch too. crosstrain's is the Trainer's median ``step_time_s``. The
-runs alternate (``--rounds`` times) so machine noise hits both. Last line JSON: ``overhead_ratio`` (crosstrain /
-plain, frozen reference) and ``precomputed_over_frozen`` (crosstrain step time with ``rlhf.reference =
-"precomputed"`` / with the frozen copy).
+runs alternate ABBA (``--rounds`` rounds, odd ones in reverse order) so machine noise hits all; medians are
+compared. Last line JSON: ``overhead_ratio`` (crosstrain / plain, frozen reference), ``precomputed_over_frozen``
+(crosstrain step time with ``rlhf.reference = "precomputed"`` / with the frozen copy) and ``recipe_loss_ratio``
+(the recipe's loss + backward alone vs the plain forwards + loss + backward on one batch, ABBA: the recipe's
+share of the overhead; the rest is the loop's optimizer step, clipping and bookkeeping).
 
     python benchmarks/dpo.py [--preset tiny] [--steps 30] [--batch-size 16] [--rounds 2]
 """
@@ -51,6 +53,7 @@ def plain_step(args: argparse.Namespace) -> float:
     torch.manual_seed(0)
     rows, _ = preference_rows(0.05)
     ds = encode_preferences(ByteTokenizer(), rows, 128, 64)
+    ds.with_prompts = False  # as the recipe's training batches (prompts are for eval generation only)
     policy = build_gpt(args.preset)
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     opt = torch.optim.AdamW(policy.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -74,6 +77,45 @@ def plain_step(args: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
+def recipe_loss_ratio(args: argparse.Namespace, reps: int = 20) -> float:
+    """The dpo recipe's ``loss`` (metrics included) + backward vs the plain loop's forwards, loss and backward, on
+    one batch and model, alternating (ABBA): the recipe's own share of ``overhead_ratio``."""
+    from crosstrain.config import load_config
+    from crosstrain.models.gpt import build_gpt
+    from crosstrain.plugins.rlhf.losses import dpo_loss, sequence_logps
+    from crosstrain.plugins.rlhf.recipes import DPORecipe
+
+    recipe = DPORecipe()
+    config = load_config(None, ["train.recipe=dpo", f"model.preset={args.preset}", "train.seq_len=128"])
+    recipe.validate(config)
+    recipe.sec = config.section("rlhf")
+    torch.manual_seed(0)
+    policy = build_gpt(args.preset)
+    models = {"policy": policy, "reference": copy.deepcopy(policy).requires_grad_(False)}
+    batch = recipe.dataset.batch(np.arange(args.batch_size))
+    ids, mask = batch["input_ids"], batch["loss_mask"][:, 1:]
+
+    def ours() -> None:
+        out = recipe.loss(models, batch)
+        out.loss.backward()
+        [float(v) for v in out.metrics.values()]
+
+    def plain() -> None:
+        logps, _ = sequence_logps(policy(ids[:, :-1]), ids[:, 1:], mask)
+        with torch.no_grad():
+            ref, _ = sequence_logps(models["reference"](ids[:, :-1]), ids[:, 1:], mask)
+        dpo_loss(*logps.chunk(2), *ref.chunk(2), beta=0.1)[0].mean().backward()
+
+    times: dict[str, list[float]] = {"ours": [], "plain": []}
+    for i in range(reps):
+        for name, fn in ((("ours", ours), ("plain", plain)) if i % 2 == 0 else (("plain", plain), ("ours", ours))):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            policy.zero_grad(set_to_none=True)
+    return statistics.median(times["ours"]) / statistics.median(times["plain"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny")
@@ -82,15 +124,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ours, plain, pre = [], [], []
-    for _ in range(args.rounds):
-        ours.append(crosstrain_step(args))
-        plain.append(plain_step(args))
-        pre.append(crosstrain_step(args, "rlhf.reference=precomputed"))
-    o, p, q = statistics.median(ours), statistics.median(plain), statistics.median(pre)
+    runs = {"ours": lambda: crosstrain_step(args), "plain": lambda: plain_step(args),
+            "pre": lambda: crosstrain_step(args, "rlhf.reference=precomputed")}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.rounds):  # ABBA: odd rounds run in the reverse order
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            times[name].append(runs[name]())
+    o, p, q = (statistics.median(times[name]) for name in runs)
+    loss_ratio = recipe_loss_ratio(args)
     print(f"crosstrain dpo step {o * 1e3:.1f} ms, plain PyTorch {p * 1e3:.1f} ms, precomputed reference "
           f"{q * 1e3:.1f} ms ({args.preset}, {args.batch_size} pairs)")
-    print(json.dumps({"overhead_ratio": o / p, "precomputed_over_frozen": q / o, "crosstrain_step_s": o,
+    print(json.dumps({"overhead_ratio": o / p, "precomputed_over_frozen": q / o, "recipe_loss_ratio": loss_ratio,
+                      "crosstrain_step_s": o,
                       "plain_step_s": p, "precomputed_step_s": q, "preset": args.preset,
                       "batch_size": args.batch_size}))
 

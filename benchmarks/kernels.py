@@ -10,7 +10,14 @@ The min_* figures cover the memory-bound ops (rms_norm, rotary_embedding, swiglu
 linear_cross_entropy is matmul-bound, so it is reported (time, speedup, peak memory) but kept out of them.
 Without a GPU it prints one line saying so and a JSON line with "skipped": true.
 
+``--cpu`` measures the CPU backend's native kernels (``crosstrain.backends.cpu.native.kernels``) against the
+same eager references instead: per op, forward and forward+backward, native and reference timed in alternating
+order within each repetition (medians), with the max difference to the reference and the machine's load average;
+``--gpt-step`` adds a small-preset GPT forward+backward in both kernel modes. JSON line {"device": "cpu", "isa",
+"threads", "loadavg", "min_speedup", "min_speedup_fwd+bwd", "gpt_step_speedup", "results": [...]}.
+
     python benchmarks/kernels.py [--size full|small] [--dtype bf16|fp16|fp32] [--ops rms_norm,swiglu]
+    python benchmarks/kernels.py --cpu [--size small|tiny] [--dtype fp32|bf16] [--reps 9] [--gpt-step]
 """
 
 from __future__ import annotations
@@ -147,12 +154,20 @@ def measure_fused(impl: Callable[..., Any], args: tuple, grad_idx: tuple[int, ..
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=("full", "small"), default="full")
+    parser.add_argument("--size", choices=("full", "small", "tiny"), default=None,
+                        help="GPU: full (default) or small; --cpu: small (default) or tiny")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--ops", default=",".join((*MEMORY_BOUND, "linear_cross_entropy")))
     parser.add_argument("--dry-run", action="store_true",
                         help="exercise this script on the CPU under TRITON_INTERPRET=1 with tiny shapes (no figures)")
+    parser.add_argument("--cpu", action="store_true", help="native CPU kernels vs the eager references")
+    parser.add_argument("--reps", type=int, default=9, help="--cpu: interleaved repetitions per op")
+    parser.add_argument("--gpt-step", action="store_true",
+                        help="--cpu: also time a small-preset GPT forward+backward, native vs reference mode")
     args = parser.parse_args()
+    if args.cpu:
+        return run_cpu(args)
+    args.size = args.size or "full"
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         return run(args, dry=True)
@@ -173,7 +188,8 @@ def run(args: argparse.Namespace, dry: bool) -> int:
         if backend is not None:
             probes = {n: r for n, _, r in selection.probes}  # type: ignore[union-attr]
             why = f"cuda: {probes.get('cuda', '?')}; rocm: {probes.get('rocm', '?')}"
-        print(f"benchmarks/kernels.py: no GPU backend available here, nothing measured ({why})")
+        print(f"benchmarks/kernels.py: no GPU backend available here, nothing measured ({why}); --cpu measures "
+              "the native CPU kernels")
         print(json.dumps({"skipped": True, "reason": why, "min_bandwidth_fraction": None, "min_speedup": None}))
         return 0
     registry.set_active_backend(backend)
@@ -242,6 +258,134 @@ def report(args: argparse.Namespace, name: str, part: Any, backend_name: str | N
         "size": "tiny" if dry else args.size,
         "min_bandwidth_fraction": round(min(fractions), 4) if fractions else None,
         "min_speedup": round(min(r["speedup"] for r in mem), 4) if mem else None,
+        "results": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+# -- the CPU backend's native kernels ----------------------------------------------------------------------------
+def cpu_shapes(size: str) -> dict[str, dict[str, int]]:
+    """The 100m preset's per-rank shapes at batch 4 x 512 (head dim 64, vocab 32000), and a tiny smoke size."""
+    if size == "tiny":
+        return shapes("tiny")
+    return {
+        "rms_norm": {"rows": 2048, "width": 768},
+        "rotary_embedding": {"batch": 4, "seq": 512, "heads": 12, "head_dim": 64},
+        "swiglu": {"rows": 2048, "width": 2048},
+        "cross_entropy": {"rows": 512, "vocab": 32000},
+        "linear_cross_entropy": {"rows": 512, "hidden": 256, "vocab": 32000},
+    }
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Median milliseconds of each function, all timed in every repetition (order alternating), after a warm-up."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: _median(ts) for name, ts in times.items()}
+
+
+def _cpu_case(fn: Callable[..., Any], args: tuple, grad_idx: tuple[int, ...]) -> dict[str, Any]:
+    leaves = [a.detach().clone().requires_grad_(i in grad_idx) if isinstance(a, torch.Tensor) else a
+              for i, a in enumerate(args)]
+    inputs = [leaves[i] for i in grad_idx]
+    out = fn(*leaves)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    grads = torch.autograd.grad(out, inputs, up)
+    return {"fwd": lambda: fn(*leaves),
+            "fwd+bwd": lambda: torch.autograd.grad(fn(*leaves), inputs, up),
+            "out": out.detach().float(), "grads": [g.float() for g in grads]}
+
+
+def gpt_step_row(size: str, dtype: torch.dtype, reps: int) -> dict[str, Any]:
+    """Forward+backward of the ``small`` GPT preset (batch 8 x 256, byte vocabulary) with the native kernels vs
+    ``kernels = "reference"``: what the ops above add up to inside a model (the GEMMs and attention are torch's)."""
+    from crosstrain.kernels import registry as kernel_registry
+    from crosstrain.models.gpt import GPT, PRESETS
+    from crosstrain.recipes.lm import next_token_loss
+
+    registry.set_active_backend("cpu")
+    torch.manual_seed(0)
+    batch, seq = (2, 32) if size == "tiny" else (8, 256)
+    model = GPT(PRESETS["small"]).to(dtype)
+    data = torch.randint(0, model.config.vocab_size, (batch, seq + 1))
+    losses: dict[str, float] = {}
+
+    def step(mode: str) -> Callable[[], None]:
+        def run() -> None:
+            kernel_registry.set_mode(mode)
+            try:
+                loss = next_token_loss(model(data[:, :-1]), data[:, 1:])
+                loss.backward()
+                losses[mode] = loss.item()
+            finally:
+                kernel_registry.set_mode("auto")
+                model.zero_grad(set_to_none=True)
+        return run
+
+    ms = interleaved_ms({"native": step("auto"), "reference": step("reference")}, reps)
+    return {"op": "gpt_small_step", "dir": "fwd+bwd", "native_ms": ms["native"], "reference_ms": ms["reference"],
+            "speedup": ms["reference"] / ms["native"], "max_err": abs(losses["auto"] - losses["reference"])}
+
+
+def run_cpu(args: argparse.Namespace) -> int:
+    from crosstrain.backends.cpu.native import kernels as native
+
+    size = args.size or "small"
+    if not native.available():
+        why = native._IMPORT_ERROR
+        print(f"benchmarks/kernels.py --cpu: the native CPU kernels are not built ({why}), nothing measured")
+        print(json.dumps({"device": "cpu", "skipped": True, "reason": why, "min_speedup": None}))
+        return 0
+    if args.dtype not in ("fp32", "bf16"):
+        print(f"benchmarks/kernels.py --cpu: --dtype {args.dtype} is not a native CPU dtype; use fp32 or bf16",
+              file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    load_before = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
+        case_args, grad_idx, _ = make_case(op, cpu_shapes(size)[op], dtype, torch.device("cpu"))
+        nat = _cpu_case(native.OPS[op][0], case_args, grad_idx)
+        ref = _cpu_case(reference.CORE_OPS[op][0], case_args, grad_idx)
+        errs = {"fwd": (nat["out"] - ref["out"]).abs().max().item(),
+                "fwd+bwd": max((a - b).abs().max().item() for a, b in zip(nat["grads"], ref["grads"], strict=True))}
+        for direction in ("fwd", "fwd+bwd"):
+            ms = interleaved_ms({"native": nat[direction], "reference": ref[direction]}, args.reps)
+            rows.append({"op": op, "dir": direction, "native_ms": ms["native"], "reference_ms": ms["reference"],
+                         "speedup": ms["reference"] / ms["native"], "max_err": errs[direction]})
+    if args.gpt_step:
+        rows.append(gpt_step_row(size, dtype, args.reps))
+    load_after = os.getloadavg()
+    print(f"device: cpu, native kernels {native.isa()}, {torch.get_num_threads()} threads, dtype {args.dtype}, "
+          f"size {size}, {args.reps} interleaved reps, loadavg {load_before[0]:.2f} -> {load_after[0]:.2f}")
+    header = f"{'op':<22}{'dir':<9}{'native ms':>10}{'ref ms':>10}{'speedup':>9}{'max err':>10}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row['op']:<22}{row['dir']:<9}{row['native_ms']:>10.3f}{row['reference_ms']:>10.3f}"
+              f"{row['speedup']:>8.2f}x{row['max_err']:>10.2e}")
+    op_rows = [r for r in rows if r["op"] in native.OPS]
+    summary = {
+        "device": "cpu", "isa": native.isa(), "threads": torch.get_num_threads(), "dtype": args.dtype, "size": size,
+        "reps": args.reps, "loadavg": [round(load_before[0], 2), round(load_after[0], 2)],
+        "min_speedup": round(min(r["speedup"] for r in op_rows), 4) if op_rows else None,
+        "min_speedup_fwd+bwd": round(min(r["speedup"] for r in op_rows if r["dir"] == "fwd+bwd"), 4)
+        if op_rows else None,
+        "gpt_step_speedup": round(rows[-1]["speedup"], 4) if args.gpt_step else None,
         "results": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
     }
     print(json.dumps(summary))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from crosstrain.device import CAPABILITIES, Availability, Device
 
 if TYPE_CHECKING:
@@ -61,6 +63,22 @@ class Backend:
 
     def register_kernels(self, registry: KernelRegistry) -> None:
         """Register this backend's fast kernel implementations (default: none, references are used)."""
+
+    def fast_optimizer(self, name: str, groups: list[dict[str, Any]], hyper: dict[str, Any]
+                       ) -> tuple[torch.optim.Optimizer, str] | None:
+        """This backend's fastest optimizer step for ``name`` ("adamw" | "sgd") whose numerics match
+        ``torch.optim`` within fp32 rounding, with a label for summary.json; None: use plain ``torch.optim``.
+
+        Default: torch's own fused kernels (``fused=True``), where torch has them for the parameters' device.
+        ``hyper`` holds the torch.optim keyword arguments (lr, betas, eps or momentum).
+        """
+        cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}.get(name)
+        if cls is None:
+            return None
+        try:
+            return cls(groups, **hyper, fused=True), "torch-fused"
+        except (RuntimeError, ValueError, TypeError):  # no fused kernel for this device type or dtype
+            return None
 
     def checkpointer(self) -> DCPCheckpointer:
         """A new, unbound checkpointer that :class:`~crosstrain.checkpoint.manager.CheckpointManager` (so every

@@ -117,3 +117,13 @@ def crosstrain_metrics_sinks(config: Any) -> list[Any]:
 @hookspec
 def crosstrain_after_train(context: RunContext, run_dir: str) -> None:
     """Called once after training ends (e.g. export the model for inference)."""
+
+
+@hookspec
+def crosstrain_export_state_dict(state_dict: dict[str, torch.Tensor], config: Any) -> None:
+    """Turn a consolidated model state dict (plain names, full CPU tensors) into plain GPT weights, in place,
+    before ``crosstrain export`` or the after-train export builds the model from it (e.g. merge LoRA adapters).
+
+    ``config`` is the run's :class:`crosstrain.config.Config`, or None when the source has no run config.
+    Called in registration order, each on the previous one's result; a raising plugin stops the export.
+    """

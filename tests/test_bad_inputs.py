@@ -55,7 +55,7 @@ CASES: list[tuple[str, list[str], int | None, str]] = [
     ("dim-heads", ["train", "--set", "model.dim=30", "--set", "model.n_heads=4"], 2, "divisible by model.n_heads"),
     ("kv-heads", ["train", "--set", "model.n_kv_heads=3"], 2, "divisible by model.n_kv_heads=3"),
     ("vocab-too-small", ["train", "--set", "model.vocab_size=100"], 2, "too small for the byte-level corpus"),
-    ("import-path-form", ["train", "--set", "model.import_path=nocolon"], 2, "must look like 'package.module:build'"),
+    ("import-path-form", ["train", "--set", "model.import_path=nocolon"], 2, "must look like 'package.module:name'"),
     ("import-path-missing", ["train", "--set", "model.import_path=no_such_mod_12:build"], 2, "cannot import"),
     ("keep-last-0", ["train", "--set", "checkpoint.keep_last=0"], 2, "'checkpoint.keep_last'"),
     ("max-rollbacks-negative", ["train", "--set", "fault.max_rollbacks=-1"], 2, "'fault.max_rollbacks'"),

@@ -56,7 +56,7 @@ def test_effective_config_round_trips(tmp_path) -> None:
         (["checkpoint.asyn=true"],
          "allowed keys in [checkpoint]: every, keep_last, keep_every, keep_best, async, final, resume"),
         (["data.path=/nonexistent/x.bin"], "data.path '/nonexistent/x.bin' does not exist"),
-        (["model.import_path=nocolon"], "must look like 'package.module:build'"),
+        (["model.import_path=nocolon"], "must look like 'package.module:name'"),
         (["optim.lr"], "must look like section.key=value"),
         (["train.steps=1", "train.steps.x=1"], "train.steps is a value, not a section"),
     ],

@@ -12,7 +12,7 @@ from pathlib import Path
 TOL = 1e-5
 COMMON = ["train.batch_size=4", "train.seq_len=32", "logging.progress=none", "schedule.warmup_steps=0",
           "model.n_layers=2", "moe.experts=4", "moe.capacity_factor=1.5", "checkpoint.every=2",
-          "checkpoint.keep_last=10", "backend=cpu"]
+          "checkpoint.keep_last=10", "backend=cpu", "parallel.dp_shard=2"]  # FSDP2 (+ ep) at every ep
 
 
 def _train(out: Path, ep: int, steps: int, resume: Path | None = None) -> tuple[Path, list[float]]:

@@ -52,10 +52,11 @@ def events(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def slow_run(tmp_path_factory) -> Path:
-    """12 steps on 2 ranks with eval, checkpoints and a profile of steps 8..10; rank 1 sleeps 0.2 s at the end of
-    each step from step 2."""
+    """12 steps on 2 ranks with eval, checkpoints, the MLflow sink and a profile of steps 8..10; rank 1 sleeps
+    0.2 s at the end of each step from step 2."""
     run_dir = tmp_path_factory.mktemp("obs") / "run"
-    proc = train_2_ranks(run_dir, ["train.steps=12", "eval.every=6", "eval.steps=2", "checkpoint.every=6"],
+    proc = train_2_ranks(run_dir, ["train.steps=12", "eval.every=6", "eval.steps=2", "checkpoint.every=6",
+                                   "observability.mlflow=true"],
                          ["--profile-steps", "8:10"], CROSSTRAIN_SLOW_RANK="1", CROSSTRAIN_SLOW_S="0.2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
@@ -326,3 +327,83 @@ def test_hang_dump_longer_than_the_collective_timeout_is_a_config_error(tmp_path
                            "--run-dir", str(tmp_path / "run")], env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "must be shorter than fault.collective_timeout_s" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- MLflow
+def _mlflow_run(run_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """The run's MLflow client and run, read back from the file store in the run dir."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    return client, client.get_run(json.loads((run_dir / "mlflow_run.json").read_text())["run_id"])
+
+
+def _assert_mlflow_matches_metrics_jsonl(client, run, run_dir: Path) -> None:
+    """Every numeric value of every metrics.jsonl record is in MLflow at its step (the last one logged for a step:
+    a resumed run logs rolled-back steps again)."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = {k for r in records for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "eval/loss"} <= keys
+    for key in keys:
+        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.timestamp, m.step))
+        logged = {m.step: m.value for m in history}
+        assert logged == {r["step"]: float(r[key]) for r in records if isinstance(r.get(key), (int, float))}, key
+
+
+def test_mlflow_store_holds_the_run_and_a_resume_continues_it(slow_run: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 alone logged one run: the flattened config as params, every step's metrics equal to metrics.jsonl,
+    events as tags, the summary; resuming the run dir (12 -> 14 steps, 1 rank) continues that same run."""
+    client, run = _mlflow_run(slow_run, monkeypatch)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # rank 1 logged nothing
+    assert client.get_experiment(run.info.experiment_id).name == "crosstrain"
+    params = run.data.params
+    assert params["train.steps"] == "12" and params["observability.mlflow"] == "true"
+    assert float(params["optim.lr"]) == json.loads((slow_run / "config.json").read_text())["optim"]["lr"]
+    _assert_mlflow_matches_metrics_jsonl(client, run, slow_run)
+    tags = run.data.tags
+    stragglers = [json.loads(v) for k, v in tags.items() if k.startswith("event/") and k.endswith("/straggler")]
+    assert stragglers and {e["rank"] for e in stragglers} == {1}
+    assert "event/6/checkpoint" in tags and "event/12/checkpoint" in tags
+    summary = json.loads((slow_run / "summary.json").read_text())
+    assert run.data.metrics["summary/final_loss"] == summary["final_loss"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["summary.json"]
+
+    from crosstrain.config import load_config
+    from crosstrain.engine import Trainer
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(slow_run, resumed)
+    one_rank = [o for o in TINY if not o.startswith("parallel.")]  # in this process: MLflow is imported already
+    with pytest.warns(UserWarning, match="per-rank state"):  # saved by 2 ranks: only RNG and sampler differ
+        Trainer(load_config(None, [*one_rank, "train.steps=14", "eval.every=6", "eval.steps=2", "checkpoint.every=6",
+                                   "observability.mlflow=true"]), run_dir=resumed).fit()
+    client, again = _mlflow_run(resumed, monkeypatch)
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert len(client.search_runs([again.info.experiment_id])) == 1
+    assert "event/12/resume" in again.data.tags and again.data.tags["config_changed/train.steps"] == "14"
+    assert [m.step for m in client.get_metric_history(again.info.run_id, "loss")] == list(range(1, 15))
+    _assert_mlflow_matches_metrics_jsonl(client, again, resumed)
+
+
+def test_mlflow_without_the_package_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Found missing when the config is validated (before any worker or file); an import that fails anyway (a
+    broken install) stops rank 0's sink with the same fix."""
+    from crosstrain.config import load_config
+    from crosstrain.errors import ConfigError
+    from crosstrain.plugins.observability.mlflow_sink import MlflowSink, flatten, metric_key
+
+    config = load_config(None, ["observability.mlflow=true"])
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # what Python does for a package that is not installed
+    with pytest.raises(ConfigError, match=r'observability.mlflow.*pip install "crosstrain\[mlflow\]"'):
+        load_config(None, ["observability.mlflow=true"])
+    with pytest.raises(SystemExit) as exc:
+        MlflowSink(config)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and 'pip install "crosstrain[mlflow]"' in lines[0]
+    assert flatten({"a": {"b": 1, "c": [1, 2], "d": {}}, "e": "x"}) == {"a.b": "1", "a.c": "[1, 2]", "a.d": "{}",
+                                                                        "e": "x"}
+    assert metric_key("moe/0/max_load") == "moe/0/max_load" and metric_key("a[b]=c") == "a_b__c"

@@ -1,7 +1,8 @@
 """The sft, rm and dpo recipes end to end on tiny models: eval_before/eval_after, model.init_from from a run dir
 and a safetensors file, DPO loss and weights equal on 1 vs 2 FSDP2 ranks and for grad_accum 1 vs 4 (fp32, 1e-5),
-a DPO run killed with SIGKILL and resumed ends with the uninterrupted run's params_sha256, and LoRA DPO (1 and
-2 FSDP2 ranks) trains the adapters only and exports merged weights."""
+the precomputed reference's run-dir cache (reused on resume, equal on 2 ranks, stale one recomputed), a DPO run
+killed with SIGKILL and resumed ends with the uninterrupted run's params_sha256, and LoRA DPO (1 and 2 FSDP2
+ranks) trains the adapters only and ``crosstrain export`` writes merged weights with the adapted model's logits."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_
     assert "models" not in pre and len(pre["reference_logps_sha256"]) == 64
     for a, b in zip(one["losses"], pre["losses"], strict=True):  # the same objective, reference in other batches
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a))
+    _check_reference_cache(tmp_path, init, pre)
 
     two = _train("dpo", tmp_path / "two", *init, "parallel.dp_shard=2", nproc=2)
     accum = _train("dpo", tmp_path / "accum", *init, "train.grad_accum=4")
@@ -94,6 +96,43 @@ def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_
         w2 = _weights(tmp_path / run)
         for name in w1:
             torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-5)
+
+
+def _events(run_dir: Path, name: str) -> list[dict]:
+    return [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == name]
+
+
+def _check_reference_cache(tmp_path: Path, init: tuple[str, ...], pre: dict) -> None:
+    """The precomputed reference is cached in the run dir, read back on resume (not recomputed), the same on 2
+    FSDP2 ranks, and a stale cache (other rlhf.max_length) is recomputed with a warning on a fresh run."""
+    run = tmp_path / "pre"
+    cache, meta = run / "reference_logps.safetensors", run / "reference_logps.json"
+    assert [e["source"] for e in _events(run, "reference_logps")] == ["computed"]
+    record = json.loads(meta.read_text())
+    assert record["logps_sha256"] == pre["reference_logps_sha256"] and record["rows"]["train"] > 0
+    assert record["options"]["max_length"] == 64 and len(record["weights_sha256"]) == 64
+    stamps = (cache.stat().st_mtime_ns, meta.stat().st_mtime_ns)
+    resumed = _train("dpo", run, *init, "rlhf.reference=precomputed", "train.steps=9")
+    assert resumed["steps"] == 9 and resumed["reference_logps_sha256"] == pre["reference_logps_sha256"]
+    assert [e["source"] for e in _events(run, "reference_logps")] == ["computed", "cache"]
+    assert (cache.stat().st_mtime_ns, meta.stat().st_mtime_ns) == stamps
+
+    two = _train("dpo", tmp_path / "pre2", *init, "rlhf.reference=precomputed", "parallel.dp_shard=2", nproc=2)
+    assert two["reference_logps_sha256"] == pre["reference_logps_sha256"]  # chunks dealt to ranks, gathered
+    for a, b in zip(pre["losses"], two["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a))
+
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    for f in (cache, meta):
+        (stale / f.name).write_bytes(f.read_bytes())
+    proc = subprocess.run(_cmd("dpo", stale, *init, "rlhf.reference=precomputed", "rlhf.max_length=60",
+                               "train.steps=1", "eval.every=0"), capture_output=True, text=True, env=_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reference log-prob cache" in proc.stderr and "stale (data_sha256, options changed)" in proc.stderr
+    assert [e["source"] for e in _events(stale, "reference_logps")] == ["computed"]
+    assert json.loads((stale / meta.name).read_text())["options"]["max_length"] == 60
 
 
 def test_rm_from_safetensors_file(sft_run, tmp_path) -> None:
@@ -154,3 +193,31 @@ def test_lora_dpo_trains_adapters_only_and_exports_merged(sft_run, tmp_path) -> 
     assert any(not torch.equal(merged[k], start[k]) for k in start)
     for name, value in _weights(tmp_path / "lora2").items():
         torch.testing.assert_close(value, merged[name], rtol=1e-5, atol=1e-5)
+    _check_lora_export(run, saved, merged, tmp_path)
+
+
+def _check_lora_export(run: Path, saved: dict[str, torch.Tensor], merged: dict[str, torch.Tensor],
+                       tmp_path: Path) -> None:
+    """``crosstrain export`` of the LoRA run (safetensors and hf) writes the merged weights, and the exported
+    model's logits equal the trained model's (base + adapters) within 1e-5."""
+    from crosstrain.cli.main import main
+    from crosstrain.models.gpt import GPT
+    from crosstrain.plugins.export.loading import load_model
+    from crosstrain.plugins.rlhf.lora import add_lora, merge_lora
+
+    loaded = load_model(run)
+    adapted = GPT(loaded.config)
+    add_lora(adapted, rank=4, alpha=16.0, dropout=0.0, targets=["wq", "wk", "wv", "wo", "w1", "w2", "w3"])
+    adapted.load_state_dict(saved, strict=True)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = adapted.eval()(tokens)
+    by_hand = merge_lora(saved, 16.0 / 4)
+    for fmt, out in (("safetensors", tmp_path / "lora.safetensors"), ("hf", tmp_path / "lora-hf")):
+        assert main(["export", str(run), "--format", fmt, "--out", str(out)]) == 0
+        model = load_model(out).model
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(value, by_hand[name], rtol=0, atol=1e-6, msg=f"{fmt} {name}")
+            torch.testing.assert_close(value, merged[name], rtol=0, atol=1e-6, msg=f"{fmt} {name}")
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), want, rtol=0, atol=1e-5, msg=fmt)

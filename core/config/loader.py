@@ -115,27 +115,28 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     return config
 
 
-def _import_target(spec: str) -> tuple[str, str]:
+def _import_target(spec: str, key: str = "model.import_path") -> tuple[str, str]:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
-        raise ConfigError(f"model.import_path {spec!r} must look like 'package.module:build'")
+        raise ConfigError(f"{key} {spec!r} must look like 'package.module:name'")
     return module, attr
 
 
-def resolve_import_path(spec: str) -> Any:
-    """Import ``"pkg.mod:attr"``; failures are a ConfigError naming the key."""
-    module_name, attr = _import_target(spec)
+def resolve_import_path(spec: str, key: str = "model.import_path") -> Any:
+    """Import ``"pkg.mod:attr"`` (a callable); failures are a ConfigError naming the config key."""
+    module_name, attr = _import_target(spec, key)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"model.import_path {spec!r}: cannot import {module_name!r} ({exc})") from None
+        raise ConfigError(f"{key} {spec!r}: cannot import {module_name!r} ({exc}); check the name and "
+                          "PYTHONPATH") from None
     target = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ConfigError(f"model.import_path {spec!r}: {module_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"{key} {spec!r}: {module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise ConfigError(f"model.import_path {spec!r} is not callable")
+        raise ConfigError(f"{key} {spec!r} is not callable")
     return target
 
 
@@ -226,14 +227,28 @@ def _pretrained_gpt_config(config: Config) -> Any:
     return dataclasses.replace(cfg, max_seq_len=m.max_seq_len) if m.max_seq_len else cfg
 
 
-def check_world(config: Config, world_size: int) -> Any:
-    """Checks that need the world size; returns the resolved ``ParallelDims``. Raises ConfigError."""
+def check_world(config: Config, world_size: int, memory_per_rank: int = 0) -> Any:
+    """Checks that need the world size; returns the resolved ``ParallelDims``. Raises ConfigError.
+
+    ``memory_per_rank`` (bytes, 0 = unknown) lets ``parallel.layout = "auto"`` pick DDP where the training state
+    fits comfortably (:mod:`crosstrain.parallel.layout`); the choice is ``dims.layout_choice``.
+    """
     from crosstrain.parallel import ParallelDims
+    from crosstrain.parallel import layout as layoutmod
 
     p = config.parallel
     dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
                         world_size=world_size)
+    estimate = 0
+    if not config.model.import_path and memory_per_rank > 0 and p.layout == "auto" and p.dp_shard == -1:
+        gcfg = gpt_config(config)
+        micro = max(config.train.batch_size // max(world_size, 1) // config.train.grad_accum, 1)
+        estimate = layoutmod.estimate_train_bytes(layoutmod.gpt_param_count(gcfg), gcfg, micro,
+                                                  config.train.seq_len, config.optim.name)
+    choice = layoutmod.choose_layout(dims, p.layout, estimate, memory_per_rank)
+    layoutmod.apply_layout(dims, choice)
     dims = dims.resolve() or dims
+    dims.layout_choice = choice
     if not config.model.import_path:
         dims.validate_model(gpt_config(config))
     per_step = dims.dp_degree * config.train.grad_accum

@@ -7,6 +7,7 @@ embedded corpus, tuned to reach well under 60% of the initial loss in about a mi
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -71,6 +72,10 @@ class OptimConfig(Section):
     momentum: float = Field(default=0.9, ge=0, description="SGD only")
     grad_clip: float = Field(default=1.0, ge=0, description="max global grad norm (0 = no clipping)")
     offload: bool = False
+    impl: Literal["auto", "torch", "native"] = Field(default="auto", description='"auto": the backend\'s fastest '
+                                                     'step matching torch.optim (native fused on the CPU, torch '
+                                                     'fused=True on accelerators); "torch": torch.optim; "native": '
+                                                     "the backend's, or an error")
 
 
 class ScheduleConfig(Section):
@@ -88,7 +93,13 @@ class ParallelConfig(Section):
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     pp_microbatches: int = Field(default=0, ge=0, description="0 = one per pipeline stage")
     activation_checkpoint: str = Field(default="none", pattern=r"^(none|full|every:[1-9][0-9]*)$")
-    compile: bool = False
+    compile: Literal["auto"] | bool = Field(default="auto", description='"auto": compile when the run is long '
+                                            "enough to amortise it or the compile cache is warm, never on a layout "
+                                            "that does not compile (tp > 1), not by itself with pp/ep > 1; "
+                                            "true / false force it")
+    layout: Literal["auto", "ddp", "fsdp"] = Field(default="auto", description="with parallel.dp_shard=-1: "
+                                                   '"auto" = DDP when model, gradients and optimizer state fit '
+                                                   'comfortably on each rank, else FSDP2; "ddp" / "fsdp" force it')
 
 
 class PrecisionConfig(Section):
@@ -154,6 +165,20 @@ class ObservabilityConfig(Section):
     prometheus_port: int = Field(default=0, ge=0, le=65535, description="serve metrics for Prometheus on this "
                                  "port from rank 0 (0 = off; needs the observability extra)")
     prometheus_host: str = Field(default="127.0.0.1", description='address to serve on ("0.0.0.0": every interface)')
+    mlflow: bool = Field(default=False, description="log params, metrics, events and the summary to MLflow from "
+                         "rank 0 (needs the mlflow extra)")
+    mlflow_tracking_uri: str = Field(default="", description='MLflow tracking store ("" = the file store '
+                                     "file:<run_dir>/mlruns)")
+    mlflow_experiment: str = Field(default="crosstrain", min_length=1, description="MLflow experiment of the run")
+
+    @field_validator("mlflow")
+    @classmethod
+    def _mlflow_installed(cls, value: bool) -> bool:
+        # here, not in the sink: every rank and the launcher stop before a worker starts or the run dir exists
+        if value and importlib.util.find_spec("mlflow") is None:
+            raise ValueError('needs MLflow; install it with: pip install "crosstrain[mlflow]" (or set '
+                             "observability.mlflow=false)")
+        return value
 
 
 #: core sections, in the order they are written to config.toml.

@@ -13,6 +13,7 @@ before the run dir is created, so a bad config writes nothing.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -27,6 +28,7 @@ from crosstrain.checkpoint.manifest import atomic_write
 from crosstrain.config import Config, check_world, save_config
 from crosstrain.data import DistributedBatchSampler
 from crosstrain.distenv import DistEnv
+from crosstrain.engine import fast_defaults
 from crosstrain.engine import step as stepmod
 from crosstrain.engine.capabilities import check_capabilities
 from crosstrain.engine.context import RunContext
@@ -162,7 +164,7 @@ class Trainer:
         check_capabilities(self.backend, cfg)
         check_hang_dump(cfg)
         self.env = DistEnv.from_env()
-        self.dims = check_world(cfg, self.env.world_size)
+        self.dims = check_world(cfg, self.env.world_size, self._memory_per_rank())
         self.recipe: Recipe = resolve_recipe(cfg.train.recipe)
         self.recipe.validate(cfg)
         resume = cfg.checkpoint.resume
@@ -170,6 +172,12 @@ class Trainer:
             raise ConfigError(f"checkpoint.resume {resume!r} does not exist; use 'auto', 'never' or a checkpoint path")
         if self.requested_run_dir is not None and Path(self.requested_run_dir).is_file():
             raise ConfigError(f"--run-dir {str(self.requested_run_dir)!r} is a file; pass a directory")
+
+    def _memory_per_rank(self) -> int:
+        """The device memory one rank may use (ranks sharing a device, or the host, split it); 0 if unknown."""
+        device_api = self.backend.device()
+        sharing = max(1, -(-self.env.local_world_size // max(device_api.device_count(), 1)))
+        return int(device_api.memory_stats().total) // sharing
 
     def setup(self) -> None:
         cfg = self.config
@@ -246,19 +254,21 @@ class Trainer:
         check_specs(specs, self.recipe, self.dims.pp)
         built = {name: transform_model(spec.module, name, cfg) for name, spec in specs.items()}
         self._set_threads(list(built.values()))
+        trainable_built = [built[n] for n, spec in specs.items() if spec.trainable]
+        self.compile_choice = self._decide_compile(trainable_built[0] if trainable_built else None)
         for name, spec in specs.items():
             module = built[name]
             sha = "" if spec.trainable else frozen_sha256(module)
             pm = parallelize(
                 module, self.dims, self.mesh, self.device, precision=cfg.precision.dtype,
                 activation_checkpoint=cfg.parallel.activation_checkpoint if spec.trainable else "none",
-                compile=cfg.parallel.compile, pp_schedule=cfg.parallel.pp_schedule,
+                compile=self.compile_choice.enabled and spec.trainable, pp_schedule=cfg.parallel.pp_schedule,
                 pp_microbatches=cfg.parallel.pp_microbatches, trainable=spec.trainable,
                 loss_fn=self.recipe.pipeline_loss if self.dims.pp > 1 else None,
             )
             slot = TrainedModel(name, pm, spec.trainable, spec.source or f"recipe {self.recipe.name}", sha)
             if spec.trainable:
-                slot.optimizer = build_optimizer(slot.params, cfg.optim, self.device)
+                slot.optimizer = build_optimizer(slot.params, cfg.optim, self.device, backend=self.backend)
                 slot.schedule = build_schedule(slot.optimizer, cfg.schedule, cfg.train.steps)
             self.models[name] = slot
         primary = self.primary.module
@@ -270,6 +280,50 @@ class Trainer:
         ctx.parallel_models = {n: m.parallel for n, m in self.models.items()}
         ctx.optimizers = {n: m.optimizer for n, m in self.models.items() if m.optimizer is not None}
         ctx.model_config = self.model_config
+
+    def _decide_compile(self, module: torch.nn.Module | None) -> fast_defaults.CompileChoice:
+        """``parallel.compile`` resolved for the primary model (see :mod:`crosstrain.engine.fast_defaults`)."""
+        from crosstrain.parallel.plan import find_plan
+
+        cfg = self.config
+        requested = cfg.parallel.compile
+        if module is None:
+            return fast_defaults.CompileChoice(False, "no trainable model")
+        if self.eval_only and requested == "auto":
+            return fast_defaults.CompileChoice(False, "crosstrain eval: no training steps to amortise a compile")
+        micro = max(cfg.train.batch_size // max(self.dims.dp_degree, 1) // cfg.train.grad_accum, 1)
+        key = fast_defaults.model_key(module, self.dims, cfg.precision.dtype, micro, cfg.train.seq_len)
+        est_step_s = 0.0
+        if requested == "auto":
+            peak = float(self.device_api.peak_flops(_DTYPES[cfg.precision.dtype]) or 0.0)
+            work = _flops_per_token(module, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
+            est_step_s = work / self.world_size / (peak * fast_defaults.EAGER_MFU) if peak > 0 else 0.0
+        choice = fast_defaults.decide_compile(requested, self.dims, find_plan(module, "ac_units") is not None,
+                                              cfg.train.steps, est_step_s, key)
+        if choice.enabled:
+            fast_defaults.enable_compile_caches()
+        return choice
+
+    def _defaults_report(self) -> dict[str, Any]:
+        """What the fast defaults chose and why (summary.json ``defaults``; ``crosstrain train -v``)."""
+        layout = self.dims.layout_choice
+        return {
+            "optimizer": {"impl": getattr(self.optimizer, "crosstrain_impl", "custom"),
+                          "class": type(self.optimizer).__name__, "requested": self.config.optim.impl},
+            "kernels": {"mode": self.config.kernels.mode, **fast_defaults.kernel_choices(self.device.type)},
+            "compile": {"enabled": self.compile_choice.enabled, "reason": self.compile_choice.reason},
+            "layout": {"choice": layout.layout if layout else ("fsdp" if self.dims.fsdp_enabled else "ddp"),
+                       "reason": layout.reason if layout else "", "requested": self.config.parallel.layout},
+        }
+
+    def _log_defaults(self, report: dict[str, Any]) -> None:
+        if not (self.is_main and logging.getLogger("crosstrain").isEnabledFor(logging.INFO)):
+            return
+        kernels = ", ".join(f"{op}={impl}" for op, impl in report["kernels"].items() if op != "mode")
+        opt, comp, lay = report["optimizer"], report["compile"], report["layout"]
+        self._log(f"crosstrain: optimizer {opt['class']} (optim.impl={opt['requested']} -> {opt['impl']}); "
+                  f"kernels ({report['kernels']['mode']}): {kernels}; compile "
+                  f"{'on' if comp['enabled'] else 'off'} ({comp['reason']}); layout {lay['choice']} ({lay['reason']})")
 
     def _setup_eval(self) -> None:
         """The recipe's held-out samples, checked against the eval batch size and layout (before any file)."""
@@ -581,6 +635,8 @@ class Trainer:
         self.dtype = _DTYPES[cfg.precision.dtype]
         self.peak_flops = float(self.device_api.peak_flops(self.dtype) or 0.0)
         self.device_api.reset_peak_memory_stats()
+        defaults = self._defaults_report()
+        self._log_defaults(defaults)
         every = cfg.checkpoint.every
         consecutive = 0
         step_times: list[float] = []
@@ -645,6 +701,13 @@ class Trainer:
         tokens_per_s = steps_run * cfg.train.batch_size * cfg.train.seq_len / loop_time if steps_run else 0.0
         mfu = (self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)) if self.peak_flops else 0.0
         finite_losses = [v for v in self.losses if math.isfinite(v)]
+        compile_s = 0.0
+        if self.compile_choice.enabled and step_times:  # compiling happens in the first step's forward/backward
+            rest = sorted(step_times[1:])
+            compile_s = max(step_times[0] - (rest[len(rest) // 2] if rest else 0.0), 0.0)
+            if self.is_main:
+                fast_defaults.write_record(self.compile_choice.key, compile_s)
+        defaults["compile"]["compile_s"] = compile_s
         self.summary = {
             "backend": self.backend.name,
             "recipe": self.recipe.name,
@@ -670,6 +733,9 @@ class Trainer:
             "eval_loss": self.last_eval_loss,
             "best_eval_loss": self.counters.best_eval_loss,
             "best_eval_step": self.counters.best_eval_step,
+            "optim_impl": defaults["optimizer"]["impl"],
+            "compile_s": compile_s,
+            "defaults": defaults,
         }
         if len(self.models) > 1:
             self.summary["models"] = self._models_summary()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from crosstrain import kernels
+from crosstrain.generation.cache import StaticKVCache, cached_attention_mask
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,18 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out), present
 
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
+                       layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention for new tokens ``x [B, L, dim]`` with per-row rotary tables ``[B, L, head_dim/2]``: their
+        keys/values are written into ``cache`` in place, and sdpa reads only the filled slots under ``mask``."""
+        bsz, seqlen, _ = x.shape
+        q = _rotary(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
+        k = _rotary(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        keys, values = cache.write(layer, k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
     def tp_plan(self) -> dict[str, Any]:
         """q/k/v column-parallel (each tp rank owns ``n_heads / tp`` heads), ``wo`` row-parallel (all-reduced)."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -179,6 +192,11 @@ class Block(nn.Module):
         attn, present = self.attention(self.attention_norm(x), cos, sin, past, mask)
         h = x + attn
         return h + self.feed_forward(self.ffn_norm(h)), present
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
+                       layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        h = x + self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class GPT(nn.Module):
@@ -268,6 +286,36 @@ class GPT(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h, presents
+
+    # -- the generation cache protocol (crosstrain.generation.engine) ------------------------------------
+    def allocate_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
+                          device: torch.device | None = None) -> StaticKVCache:
+        """A static cache of ``max_len`` slots per row for this module's blocks (see :class:`StaticKVCache`)."""
+        if max_len > self.config.max_seq_len:
+            from crosstrain.errors import ConfigError
+
+            raise ConfigError(f"prompt + max_new_tokens = {max_len} tokens exceeds model.max_seq_len "
+                              f"{self.config.max_seq_len}; shorten the prompts or lower max_new_tokens")
+        return StaticKVCache(len(self.layers), batch, max_len, dtype, device)
+
+    def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
+                       attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Logits ``[B, L, vocab]`` for ``tokens [B, L]`` at per-row ``positions``, appended to ``cache`` in place;
+        ``attention_mask [B, cache.length + L]`` marks real tokens (False: left padding; None: no padding)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = cached_attention_mask(attention_mask, cache.length, tokens.shape[1])
+        for i, block in enumerate(self.blocks()):
+            # called directly, not via __call__: wrappers (activation checkpointing, torch.compile, FSDP2 hooks)
+            # are for training; crosstrain.generation.sharded unshards FSDP2 modules once for the whole call
+            block = getattr(block, "_checkpoint_wrapped_module", block)
+            h = cast(Block, getattr(block, "_orig_mod", block)).forward_cached(h, cos, sin, cache, i, mask)
+        cache.advance(tokens.shape[1])
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
 
     def blocks(self) -> list[Block]:
         """The transformer blocks this module holds (all of them, or one pipeline stage's)."""

@@ -24,22 +24,50 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
     return groups
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg: Any, device: torch.device | None = None
-                    ) -> torch.optim.Optimizer:
-    """An optimizer for ``params`` from an ``[optim]`` section; ``offload = true`` uses the host optimizer."""
+def torch_hyper(optim_cfg: Any) -> dict[str, Any]:
+    """The ``torch.optim`` keyword arguments of an ``[optim]`` section (weight decay is per group)."""
+    if optim_cfg.name == "adamw":
+        return {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps}
+    if optim_cfg.name == "sgd":
+        return {"lr": optim_cfg.lr, "momentum": optim_cfg.momentum}
+    raise ConfigError(f"unknown optim.name {optim_cfg.name!r}; allowed: adamw, sgd")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg: Any, device: torch.device | None = None,
+                    backend: Any = None) -> torch.optim.Optimizer:
+    """An optimizer for ``params`` from an ``[optim]`` section; ``offload = true`` uses the host optimizer.
+
+    ``optim.impl``: ``torch`` builds ``torch.optim``; ``native`` the active ``backend``'s fast step
+    (:meth:`crosstrain.backend.Backend.fast_optimizer`, an error where it has none); ``auto`` the fast step where
+    the backend has one, else ``torch.optim``. The choice is on the optimizer as ``crosstrain_impl``.
+    """
     params = list(params)
     if not params:
         raise ConfigError("the model has no trainable parameters")
+    impl = getattr(optim_cfg, "impl", "torch")
     if optim_cfg.offload:
         try:
             from crosstrain.optim.offload import OffloadOptimizer
         except ImportError:
             raise ConfigError("optim.offload=true needs crosstrain.optim.offload, which this build lacks; "
                               "set optim.offload=false") from None
-        return OffloadOptimizer(params, optim_cfg, device)
+        # the host update runs the kernel registry's adamw_step/sgd_step; impl=torch pins it to the reference
+        opt: torch.optim.Optimizer = OffloadOptimizer(params, optim_cfg, device, reference=impl == "torch")
+        opt.crosstrain_impl = "offload-reference" if impl == "torch" else "offload"  # type: ignore[attr-defined]
+        return opt
     groups = param_groups(params, optim_cfg.weight_decay)
-    if optim_cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
-    if optim_cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=optim_cfg.lr, momentum=optim_cfg.momentum)
-    raise ConfigError(f"unknown optim.name {optim_cfg.name!r}; allowed: adamw, sgd")
+    hyper = torch_hyper(optim_cfg)
+    if impl != "torch" and backend is not None:
+        fast = backend.fast_optimizer(optim_cfg.name, groups, hyper)
+        if fast is not None:
+            opt, label = fast
+            opt.crosstrain_impl = label  # type: ignore[attr-defined]
+            return opt
+    if impl == "native":
+        name = getattr(backend, "name", "none")
+        raise ConfigError(f"optim.impl=native: backend {name!r} has no fast {optim_cfg.name} step here; "
+                          "set optim.impl=auto or torch")
+    cls: type[torch.optim.Optimizer] = torch.optim.AdamW if optim_cfg.name == "adamw" else torch.optim.SGD
+    opt = cls(groups, **hyper)  # type: ignore[operator]
+    opt.crosstrain_impl = "torch"  # type: ignore[attr-defined]
+    return opt

@@ -13,6 +13,7 @@ fp32 master weights and the kernel writes the bf16 parameters in place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,7 +53,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     ``OffloadOptimizer(params, optim_cfg, device)`` is how the optimizer factory builds it (``optim.offload =
     true``); keyword arguments override the config (``name``, ``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``momentum``, ``nesterov``, ``amsgrad``). ``stage=True`` forces the device path (host staging buffers and
-    copies) even for host parameters, ``overlap=False`` disables streams. ``state[p]`` holds ``master``,
+    copies) even for host parameters, ``overlap=False`` disables streams, ``reference=True`` runs the pure-torch
+    reference update instead of the backend's kernel (``optim.impl = "torch"``). ``state[p]`` holds ``master``,
     ``exp_avg``, ``exp_avg_sq`` (AdamW) or ``momentum_buffer`` (SGD), all fp32 host tensors shaped like the
     parameter's local shard, and ``step``.
     """
@@ -73,6 +75,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         amsgrad: bool = False,
         stage: bool | None = None,
         overlap: bool = True,
+        reference: bool = False,
     ) -> None:
         def pick(key: str, value: Any) -> Any:
             return value if value is not None else getattr(config, key, _DEFAULTS[key])
@@ -95,6 +98,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._dev = _backend_device()
         self._stage_forced = stage
         self._overlap = overlap
+        self._reference = reference
         self._stream: Any = None
         self._staging: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for group in self.param_groups:
@@ -187,12 +191,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         events: dict[torch.Tensor, Any] = {}
         if staged:
             self._grads_to_host(staged, stream, events, device)
-        for group, p in work:
-            if p in events:
-                events[p].synchronize()
-            self._update(group, p)
-            if p in self._staging:
-                self._params_to_device(p, stream)
+        with registry.use_reference() if self._reference else contextlib.nullcontext():
+            for group, p in work:
+                if p in events:
+                    events[p].synchronize()
+                self._update(group, p)
+                if p in self._staging:
+                    self._params_to_device(p, stream)
         if stream is not None:
             torch.accelerator.current_stream(device).wait_stream(stream)
         return loss

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from crosstrain.errors import ConfigError
@@ -28,6 +28,8 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     world_size: int = 1
+    #: why ``dp_shard=-1`` became DDP or FSDP2 (a :class:`crosstrain.parallel.layout.LayoutChoice`), when known
+    layout_choice: Any = field(default=None, repr=False, compare=False)
 
     def resolve(self) -> ParallelDims:
         """Fill ``dp_shard=-1`` and check that the product equals the world size; returns ``self``."""

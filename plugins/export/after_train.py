@@ -56,6 +56,7 @@ def export_after_train(context: Any, run_dir: str) -> dict[str, Any] | None:
     from crosstrain.plugins.export.loading import (
         LoadedModel,
         build_model,
+        export_state_dict,
         gpt_config_from_dict,
         load_model,
         save_safetensors,
@@ -65,6 +66,7 @@ def export_after_train(context: Any, run_dir: str) -> dict[str, Any] | None:
     if state is None:
         loaded = load_model(run_dir)
     else:
+        state = export_state_dict(state, config)
         gpt_cfg = getattr(context, "model_config", None)
         if not isinstance(gpt_cfg, GPTConfig):
             cfg_dict = config.to_dict() if hasattr(config, "to_dict") else {}

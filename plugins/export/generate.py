@@ -1,7 +1,9 @@
 """Greedy and sampled generation with a KV cache, on PyTorch or onnxruntime, behind one small interface.
 
 Both engines run the same computation (the reference kernels of the GPT, a prefill over the prompt and one
-forward per new token feeding back the cache) so greedy decoding yields identical tokens.
+forward per new token feeding back the cache) so greedy decoding yields identical tokens. The torch engine decodes
+on the GPT's static KV cache (``crosstrain.generation``'s cache protocol); both engines pick tokens with
+``crosstrain.generation.sampling``, so a seed gives the same tokens on either.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from crosstrain.generation.cache import StaticKVCache
+from crosstrain.generation.sampling import next_tokens
 from crosstrain.kernels import registry as kernel_registry
 from crosstrain.models.gpt import GPT, GPTConfig
 from crosstrain.plugins.export.errors import ExportError
@@ -27,11 +31,15 @@ class Engine(Protocol):
 
     def forward(self, ids: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]: ...
 
-    def empty_cache(self, batch: int) -> Any: ...
+    def empty_cache(self, batch: int, max_len: int | None = None) -> Any: ...
 
 
 class TorchEngine:
-    """PyTorch eager with the GPT's own ``forward_with_cache`` (reference kernels, like the exported graph)."""
+    """PyTorch eager on the GPT's static KV cache (``forward_cached``, reference kernels like the exported graph).
+
+    ``forward_torch`` also takes the concatenating ``forward_with_cache`` layout (``None`` or a list of per-layer
+    ``(k, v)``), which is what the exported ONNX graph computes; benchmarks/export.py compares the two that way.
+    """
 
     def __init__(self, model: GPT, tokenizer: dict[str, Any] | None = None) -> None:
         from crosstrain.plugins.export.loading import tokenizer_metadata
@@ -40,12 +48,16 @@ class TorchEngine:
         self.config = model.config
         self.tokenizer = tokenizer or tokenizer_metadata(model.config)
 
-    def empty_cache(self, batch: int) -> Any:
-        return None
+    def empty_cache(self, batch: int, max_len: int | None = None) -> StaticKVCache:
+        return self.model.allocate_kv_cache(batch, max_len or self.config.max_seq_len)
 
     def forward_torch(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         with kernel_registry.use_reference(), torch.inference_mode():
-            return self.model.forward_with_cache(ids, cache)
+            if not isinstance(cache, StaticKVCache):
+                return self.model.forward_with_cache(ids, cache)
+            batch, length = ids.shape
+            positions = torch.arange(cache.length, cache.length + length).expand(batch, length)
+            return self.model.forward_cached(ids, positions, cache, None), cache  # equal-length rows: no padding
 
     def forward(self, ids: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:
         logits, cache = self.forward_torch(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), cache)
@@ -66,7 +78,7 @@ class OrtEngine:
             raise ExportError(f"{path} has {len(self._past_names)} cache inputs, expected {2 * self.config.n_layers}; "
                               "re-export it with `crosstrain export`")
 
-    def empty_cache(self, batch: int) -> list[np.ndarray]:
+    def empty_cache(self, batch: int, max_len: int | None = None) -> list[np.ndarray]:
         cfg = self.config
         empty = np.zeros((batch, cfg.kv_heads, 0, cfg.head_dim), dtype=np.float32)
         return [empty] * (2 * cfg.n_layers)
@@ -123,26 +135,11 @@ class Sampling:
             raise ExportError(f"--seed must be >= 0, got {self.seed}")
 
 
-def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
-    """Next token per row of ``logits [B, vocab]``."""
-    if sampling.temperature <= 0:
-        return logits.argmax(axis=-1)
-    scaled = logits.astype(np.float64) / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
-        kth = np.sort(scaled, axis=-1)[:, -sampling.top_k][:, None]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if sampling.top_p < 1.0:
-        order = np.argsort(-probs, axis=-1)
-        sorted_p = np.take_along_axis(probs, order, axis=-1)
-        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < sampling.top_p
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        probs = np.where(keep, probs, 0.0)
-        probs /= probs.sum(axis=-1, keepdims=True)
-    u = rng.random((probs.shape[0], 1))
-    return np.minimum((np.cumsum(probs, axis=-1) < u).sum(axis=-1), probs.shape[-1] - 1)
+def pick(logits: np.ndarray, sampling: Sampling, generator: torch.Generator) -> np.ndarray:
+    """Next token per row of ``logits [B, vocab]`` (:func:`crosstrain.generation.sampling.next_tokens`)."""
+    return next_tokens(torch.from_numpy(np.asarray(logits)), greedy=sampling.temperature <= 0,
+                       temperature=sampling.temperature or 1.0, top_k=sampling.top_k, top_p=sampling.top_p,
+                       generator=generator).numpy()
 
 
 def check_length(cfg: GPTConfig, prompt_len: int, max_new_tokens: int) -> None:
@@ -176,14 +173,18 @@ def generate(
     check_length(cfg, ids.shape[1], max_new_tokens)
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ExportError(f"prompt token ids must lie in [0, {cfg.vocab_size})")
-    rng = np.random.default_rng(sampling.seed)
-    cache = engine.empty_cache(ids.shape[0])
+    generator = torch.Generator()
+    if sampling.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(sampling.seed)
+    cache = engine.empty_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
     out: list[np.ndarray] = []
     done = np.zeros(ids.shape[0], dtype=bool)
     step_ids = ids
     for i in range(max_new_tokens):
         logits, cache = engine.forward(step_ids, cache)
-        nxt = pick(logits[:, -1, :], sampling, rng).astype(np.int64)
+        nxt = pick(logits[:, -1, :], sampling, generator).astype(np.int64)
         out.append(nxt)
         if eos_id is not None:
             done |= nxt == eos_id

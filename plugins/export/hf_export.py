@@ -66,7 +66,9 @@ def _base_config(run_config: Path | None) -> dict[str, Any] | None:
     if run_config is None or not run_config.is_file():
         return None
     init_from = (json.loads(run_config.read_text()).get("model") or {}).get("init_from")
-    if init_from and (Path(init_from) / "config.json").is_file():
+    from crosstrain.models.hf import is_hf_folder
+
+    if init_from and is_hf_folder(init_from):  # not a crosstrain run dir, whose config.json is a run config
         from crosstrain.models.hf import read_hf_config
 
         return read_hf_config(init_from)
@@ -82,9 +84,18 @@ def _checkpoint_source(ckpt: Path, run_dir: Path | None) -> WeightSource:
     if run_dir is not None:
         candidates.append(run_dir / "config.json")
     shapes = tensors.shapes()
-    cfg = _checked(_config_near(candidates, str(ckpt)), shapes, str(ckpt))
-    return WeightSource(cfg, run_tokenizer(candidates, cfg), str(tensors.folder), shapes, tensors.load,
-                        _base_config(run_dir / "config.json" if run_dir else None))
+    cfg = _config_near(candidates, str(ckpt))
+    base = _base_config(run_dir / "config.json" if run_dir else None)
+    if set(shapes) - set(_expected(cfg)):  # e.g. LoRA adapters: the plugins' export hook needs the whole state
+        from crosstrain.plugins.export.loading import load_checkpoint_dir
+
+        loaded = load_checkpoint_dir(tensors.folder, run_dir)
+        state = loaded.model.state_dict()
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+        return WeightSource(_checked(loaded.config, shapes, str(ckpt)), loaded.tokenizer, loaded.source, shapes,
+                            lambda names: {n: state[n] for n in names}, base)
+    cfg = _checked(cfg, shapes, str(ckpt))
+    return WeightSource(cfg, run_tokenizer(candidates, cfg), str(tensors.folder), shapes, tensors.load, base)
 
 
 def _loaded_source(path: Path) -> WeightSource:

@@ -51,7 +51,7 @@ def gpt_config_from_dict(data: dict[str, Any], where: str = "config") -> GPTConf
     """A GPTConfig from a GPTConfig dict, a ``model`` config section (``preset`` + overrides) or a full run config."""
     if isinstance(data.get("model"), dict):
         data = data["model"]
-    if data.get("init_from"):
+    if data.get("init_from") and _hf_init_from(str(data["init_from"])):
         return _init_from_config(data, where)
     if data.get("import_path"):
         raise ExportError(f"{where}: model.import_path={data['import_path']!r} is a user model; only the built-in "
@@ -68,6 +68,15 @@ def gpt_config_from_dict(data: dict[str, Any], where: str = "config") -> GPTConf
         return GPTConfig(**base)
     except TypeError as exc:
         raise ExportError(f"{where}: invalid model config ({exc})") from exc
+
+
+def _hf_init_from(path: str) -> bool:
+    """``model.init_from`` names a Hugging Face folder (or one that is gone), not crosstrain weights (a run dir,
+    checkpoint or .safetensors file, whose shape is the run's own ``model`` keys)."""
+    from crosstrain.models.hf import is_hf_folder
+
+    p = Path(path)
+    return is_hf_folder(p) or not (p.exists() or p.suffix == ".safetensors")
 
 
 def _init_from_config(model: dict[str, Any], where: str) -> GPTConfig:
@@ -201,28 +210,47 @@ def _config_near(paths: list[Path], where: str) -> GPTConfig:
 
 
 def load_checkpoint_dir(ckpt: Path, run_dir: Path | None) -> LoadedModel:
-    state = _consolidate(ckpt)
+    config = run_config(run_dir)
+    state = export_state_dict(_consolidate(ckpt), config)
     candidates = [ckpt / "config.json", ckpt / "model_config.json"]
     if run_dir is not None:
         candidates.append(run_dir / "config.json")
     cfg = _config_near(candidates, str(ckpt))
-    model = build_model(cfg, state, str(ckpt), transform=_training_transforms(run_dir))
+    model = build_model(cfg, state, str(ckpt), transform=_training_transforms(config))
     return LoadedModel(model, model.config, run_tokenizer(candidates, model.config), str(ckpt))
 
 
-def _training_transforms(run_dir: Path | None) -> Callable[[GPT], GPT] | None:
-    """The plugins' ``crosstrain_transform_model`` chain under the run's own config, as training applied it
-    (e.g. the MoE plugin's layers), or None without a run config."""
+def run_config(run_dir: Path | None) -> Any:
+    """The run's own :class:`crosstrain.config.Config` (``config.toml``), or None without a readable one."""
     if run_dir is None or not (run_dir / "config.toml").is_file():
         return None
     from crosstrain.config import load_config
-    from crosstrain.engine.models import transform_model
     from crosstrain.errors import ConfigError
 
     try:
-        config = load_config(run_dir / "config.toml", [])
+        return load_config(run_dir / "config.toml", [])
     except ConfigError:  # written under other plugins: a plain GPT still loads (and a changed one says so)
         return None
+
+
+def export_state_dict(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """``state`` after every plugin's ``crosstrain_export_state_dict`` (e.g. LoRA adapters merged into plain
+    weights); a copy, so the caller's dict is unchanged."""
+    from crosstrain import pluginmanager
+
+    out = dict(state)
+    pluginmanager.call_strict("crosstrain_export_state_dict", "prepare the weights for export", state_dict=out,
+                              config=config)
+    return out
+
+
+def _training_transforms(config: Any) -> Callable[[GPT], GPT] | None:
+    """The plugins' ``crosstrain_transform_model`` chain under the run's own config, as training applied it
+    (e.g. the MoE plugin's layers), or None without a run config."""
+    if config is None:
+        return None
+    from crosstrain.engine.models import transform_model
+
     return lambda model: cast(GPT, transform_model(model, "model", config))
 
 

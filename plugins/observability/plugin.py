@@ -1,5 +1,5 @@
-"""The observability plugin's hooks: ``crosstrain report``, the Prometheus sink and report panels of known
-plugin metrics (MoE expert load, RLHF rewards and KL)."""
+"""The observability plugin's hooks: ``crosstrain report``, the Prometheus and MLflow sinks and report panels of
+known plugin metrics (MoE expert load, RLHF rewards and KL)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,16 @@ def crosstrain_on_step_end(context: Any, step: int, metrics: dict[str, float]) -
 @crosstrain.hookimpl
 def crosstrain_metrics_sinks(config: Any) -> list[Any]:
     obs = config.observability
-    if not obs.prometheus_port:
-        return []
-    from crosstrain.plugins.observability.prometheus import PrometheusSink
+    sinks: list[Any] = []
+    if obs.prometheus_port:
+        from crosstrain.plugins.observability.prometheus import PrometheusSink
 
-    return [PrometheusSink(obs.prometheus_port, obs.prometheus_host)]
+        sinks.append(PrometheusSink(obs.prometheus_port, obs.prometheus_host))
+    if obs.mlflow:
+        from crosstrain.plugins.observability.mlflow_sink import MlflowSink
+
+        sinks.append(MlflowSink(config))
+    return sinks
 
 
 @crosstrain.hookimpl

@@ -20,6 +20,7 @@ needs no key mask, and ``loss_mask`` is 1 only on completion tokens.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,18 +202,27 @@ class PreferenceDataset:
         self.pairs = pairs
         self.prompts = prompts
         self.reference_logps: torch.Tensor | None = None  # [N, 2] (chosen, rejected), rlhf.reference="precomputed"
+        #: called once before the first batch that needs ``reference_logps`` (fills it; see rlhf.reference_cache)
+        self.fill_reference: Callable[[], None] | None = None
+        #: the padded prompts (greedy generation in eval); training batches leave them out (no copies per step)
+        self.with_prompts = True
 
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def sequences(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        """The padded ``[2B, T]`` chosen-then-rejected batch of pairs ``idx`` (no prompts, no reference)."""
+        return pad([self.pairs[i][0] for i in idx] + [self.pairs[i][1] for i in idx])
+
     def batch(self, indices: Any) -> dict[str, torch.Tensor]:
         idx = [int(i) for i in indices]
-        chosen = [self.pairs[i][0] for i in idx]
-        rejected = [self.pairs[i][1] for i in idx]
-        out = pad(chosen + rejected)
-        out["truncated"] = torch.tensor([float(c.truncated or r.truncated) for c, r in zip(chosen, rejected,
-                                                                                             strict=True)])
-        out.update(pad_prompts([self.prompts[i] for i in idx]))
+        out = self.sequences(idx)
+        out["truncated"] = torch.tensor([float(self.pairs[i][0].truncated or self.pairs[i][1].truncated)
+                                         for i in idx])
+        if self.with_prompts:
+            out.update(pad_prompts([self.prompts[i] for i in idx]))
+        if self.reference_logps is None and self.fill_reference is not None:
+            self.fill_reference()
         if self.reference_logps is not None:
             ref = self.reference_logps[idx]
             out["reference_logps"] = torch.cat([ref[:, 0], ref[:, 1]])

@@ -1,4 +1,4 @@
-"""The plugin's hooks: the ``sft``, ``rm`` and ``dpo`` recipes and the ``[rlhf]`` config section."""
+"""The plugin's hooks: the ``sft``, ``rm``, ``dpo``, ``grpo`` and ``ppo`` recipes and their config sections."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 from crosstrain import hookimpl
 
 NAMES = ("sft", "rm", "dpo")
+RL_NAMES = ("grpo", "ppo")  # online RL, plugins/rlhf/rl
+ADAPTED = ("policy", "reward")  # the trainable model of each recipe: the one LoRA adapts
 
 
 @hookimpl
@@ -15,19 +17,24 @@ def crosstrain_recipe(name: str) -> Any:
         from crosstrain.plugins.rlhf.recipes import RECIPES
 
         return RECIPES[name]()
+    if name in RL_NAMES:
+        from crosstrain.plugins.rlhf.rl import recipes as rl_recipes
+
+        return rl_recipes()[name]()
     return None
 
 
 @hookimpl
 def crosstrain_recipe_names() -> list[str]:
-    return list(NAMES)
+    return [*NAMES, *RL_NAMES]
 
 
 @hookimpl
 def crosstrain_config_sections() -> dict[str, type]:
     from crosstrain.plugins.rlhf.config import LoRASection, RLHFSection
+    from crosstrain.plugins.rlhf.rl.config import RewardSection, RLSection
 
-    return {"rlhf": RLHFSection, "lora": LoRASection}
+    return {"rlhf": RLHFSection, "lora": LoRASection, "rl": RLSection, "reward": RewardSection}
 
 
 @hookimpl
@@ -35,8 +42,8 @@ def crosstrain_transform_model(model: Any, config: Any, name: str) -> Any:
     """``[lora] rank > 0``: adapters on the trainable model of the rlhf recipes (base frozen); a reward model's
     scalar head stays trainable. Other recipes and models are returned unchanged."""
     lora = config.section("lora")
-    if not lora.rank or config.train.recipe not in NAMES:
-        return model
+    if not lora.rank or config.train.recipe not in NAMES or name not in ADAPTED:
+        return model  # (export rebuilds the run's model as "model" from weights with the adapters merged)
     from crosstrain.errors import ConfigError
     from crosstrain.plugins.rlhf.lora import add_lora
 
@@ -50,13 +57,19 @@ def crosstrain_transform_model(model: Any, config: Any, name: str) -> Any:
     return model
 
 
-@hookimpl(tryfirst=True)
-def crosstrain_after_train(context: Any, run_dir: str) -> None:
-    """``[lora]``: merge the adapters into the final weights before after-train exports (``export.safetensors``)
-    read them, so the exported model is a plain GPT."""
-    lora = context.config.section("lora")
-    final = context.final_state_dict
-    if lora.rank and final and any(k.endswith(".lora_A") for k in final):
-        from crosstrain.plugins.rlhf.lora import merge_lora
+@hookimpl
+def crosstrain_export_state_dict(state_dict: dict[str, Any], config: Any) -> None:
+    """Merge LoRA adapters (``X.lora_A`` / ``X.lora_B``) into plain weights before any export (``crosstrain export``
+    of every format, ``export.safetensors`` after training), so the exported model is a plain GPT."""
+    if not any(k.endswith(".lora_A") for k in state_dict):
+        return
+    from crosstrain.errors import ConfigError
+    from crosstrain.plugins.rlhf.lora import merge_lora
 
-        context.final_state_dict = merge_lora(final, lora.alpha / lora.rank)
+    lora = config.section("lora") if config is not None else None
+    if lora is None or not lora.rank:
+        raise ConfigError("these weights hold LoRA adapters but no run config with [lora] rank/alpha came with them; "
+                          "export the run dir (it has config.toml) instead of the bare checkpoint")
+    merged = merge_lora(state_dict, lora.alpha / lora.rank)
+    state_dict.clear()
+    state_dict.update(merged)

@@ -88,6 +88,8 @@ class RLHFRecipe(Recipe):
             source = f"embedded {self.kind} task (crosstrain.plugins.rlhf.synthetic)"
         encode = rdata.encode_sft if self.kind == "sft" else rdata.encode_preferences
         self.dataset = encode(self.tokenizer, rows, max_length, max_prompt)
+        if self.kind == "preference":
+            self.dataset.with_prompts = False  # only eval generates from the prompts
         self.eval_dataset = encode(self.tokenizer, val, max_length, max_prompt)
         self.embedded = not config.data.path
         if not config.model.import_path and self.tokenizer.vocab_size > gpt_config(config).vocab_size:
@@ -196,10 +198,17 @@ class DPORecipe(RLHFRecipe):
 
     def build_models(self, context: Any) -> dict[str, ModelSpec]:
         policy = self._policy(context)
-        if self.sec.reference == "precomputed":  # one pass now, from the starting weights; no reference model
+        if self.sec.reference == "precomputed":  # one pass before the first batch, cached; no reference model
+            from crosstrain.plugins.rlhf.reference_cache import PrecomputedReference
+
             if self.dataset is None:
                 self.validate(context.config)
-            self.reference_checksum = precompute_reference(policy, [self.dataset, self.eval_dataset])
+            cfg = context.config
+            options = {"max_length": self.stats["max_length"], "max_prompt_length": self.stats["max_prompt_length"],
+                       "tokenizer": cfg.data.tokenizer, "precision": cfg.precision.dtype,
+                       "model": cfg.model.model_dump(exclude={"init_from"}, mode="json")}
+            self.reference = PrecomputedReference(context, policy, {"train": self.dataset, "eval": self.eval_dataset},
+                                                  options)
             return {"policy": ModelSpec(policy)}
         if context.config.section("lora").rank:  # the reference is the policy with its adapters off
             return {"policy": ModelSpec(policy)}
@@ -235,15 +244,17 @@ class DPORecipe(RLHFRecipe):
                    "truncated": batch["truncated"].float().mean()}
         return losses.mean(), metrics
 
-    reference_checksum = ""
+    reference: Any = None  # a PrecomputedReference under rlhf.reference="precomputed"
 
     def state(self) -> dict[str, Any]:
-        return {"rlhf_reference": _ReferenceChecksum(self)} if self.reference_checksum else {}
+        from crosstrain.plugins.rlhf.reference_cache import ReferenceChecksum
+
+        return {"rlhf_reference": ReferenceChecksum(self.reference)} if self.reference is not None else {}
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
-        if self.reference_checksum:
-            out["reference_logps_sha256"] = self.reference_checksum
+        if self.reference is not None and self.reference.checksum:
+            out["reference_logps_sha256"] = self.reference.checksum
         return out
 
     def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
@@ -257,51 +268,6 @@ class DPORecipe(RLHFRecipe):
                                        self.sec.max_new_tokens, self.tokenizer)
             metrics["win_rate"] = sum(synthetic.shows_trait(t) for t in texts) / len(texts)
         return MicroBatchLoss(loss, metrics)
-
-
-class _ReferenceChecksum:
-    """Checkpointed SHA-256 of the precomputed reference log-probs: resuming with different ones (other starting
-    weights or data) is a one-line error instead of a silently different objective."""
-
-    def __init__(self, recipe: DPORecipe) -> None:
-        self.recipe = recipe
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sha256": self.recipe.reference_checksum}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("sha256") != self.recipe.reference_checksum:
-            raise ConfigError("the precomputed reference log-probs differ from the checkpoint's (stale: other "
-                              "model.init_from weights or data); resume with the original ones or a new run dir")
-
-
-@torch.no_grad()
-def precompute_reference(model: nn.Module, datasets: list[Any], chunk: int = 32) -> str:
-    """Summed completion log-probs of ``model`` (the starting weights) for every pair of ``datasets``, stored on
-    each dataset as ``reference_logps [N, 2]``; returns their SHA-256. Runs unsharded on every rank (the same
-    numbers everywhere), in fp32, in eval mode."""
-    import hashlib
-
-    import numpy as np
-
-    was_training = model.training
-    model.eval()
-    digest = hashlib.sha256()
-    try:
-        for ds in datasets:
-            parts = []
-            for start in range(0, len(ds), chunk):
-                idx = np.arange(start, min(start + chunk, len(ds)))
-                batch = ds.batch(idx)
-                ids = batch["input_ids"]
-                logps, _ = sequence_logps(model(ids[:, :-1]), ids[:, 1:], batch["loss_mask"][:, 1:])
-                c, r = logps.float().chunk(2)
-                parts.append(torch.stack([c, r], dim=1))
-            ds.reference_logps = torch.cat(parts)
-            digest.update(ds.reference_logps.numpy().tobytes())
-    finally:
-        model.train(was_training)
-    return digest.hexdigest()
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Declares the native CPU optimizer extension for ``setup.py`` (``ext_modules()``).
+"""Declares the native CPU extensions for ``setup.py`` (``ext_modules()``): ``_C`` (the fused optimizer steps)
+and ``_kernels`` (the model ops rms_norm, rotary_embedding, swiglu, cross-entropy; sources in ``csrc/ops``).
 
 The extension is plain C++ on raw buffers (no torch headers, so no dependency on torch's C++ ABI), bound
 with pybind11, threaded with OpenMP when the compiler supports ``-fopenmp``. Instruction sets are chosen
@@ -19,6 +20,10 @@ from setuptools import Extension
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
 MODULE = "crosstrain.backends.cpu.native._C"
+#: the model-op kernels (rms_norm, rotary, swiglu, cross-entropy): a separate module, so rebuilding one never
+#: touches the other
+OPS_MODULE = "crosstrain.backends.cpu.native._kernels"
+OPS_CSRC = os.path.join(CSRC, "ops")
 
 
 def _relative(path: str) -> str:
@@ -76,7 +81,7 @@ int main() { return 0; }
 
 
 def ext_modules() -> list[Extension]:
-    """The native extension, or ``[]`` when it cannot be built here (reported at run time instead)."""
+    """The native extensions, or ``[]`` when they cannot be built here (reported at run time instead)."""
     if os.environ.get("CROSSTRAIN_NO_NATIVE", "").strip() not in ("", "0"):
         _warn("CROSSTRAIN_NO_NATIVE is set; building without the native CPU optimizer kernels")
         return []
@@ -108,7 +113,30 @@ def ext_modules() -> list[Extension]:
     if openmp:
         compile_args.append("-fopenmp")
         link_args.append("-fopenmp")
+    ops_sources = ["ops_module.cpp", "ops_generic.cpp"]
+    if macros:
+        ops_sources += ["ops_avx2.cpp", "ops_avx512.cpp"]
+    # -fopenmp-simd: `#pragma omp simd` reductions vectorise without -ffast-math (and without libgomp);
+    # -fno-trapping-math lets the clamps in exp / the bf16 NaN test become blends (no FP exceptions are used).
+    # FMA contraction is allowed here (unlike the optimizer, these ops match their references to ~1e-6, not bits).
+    ops_args = ["-std=c++17", "-O3", "-fno-math-errno", "-fno-trapping-math", "-fvisibility=hidden", "-fopenmp-simd"]
+    if openmp:
+        ops_args.append("-fopenmp")
+    ops = Extension(
+        OPS_MODULE,
+        sources=[_relative(os.path.join(OPS_CSRC, s)) for s in ops_sources],
+        include_dirs=[pybind11.get_include(), _relative(OPS_CSRC)],
+        define_macros=macros,
+        language="c++",
+        extra_compile_args=ops_args,
+        extra_link_args=link_args,
+        depends=[_relative(os.path.join(OPS_CSRC, h)) for h in ("ops_common.h", "ops_impl.h")],
+        # A compiler that cannot build these (too old for __builtin_bit_cast, ...) skips them with a warning
+        # instead of failing the install; at run time the model ops then use the references (one warning).
+        optional=True,
+    )
     return [
+        ops,
         Extension(
             MODULE,
             sources=[_relative(os.path.join(CSRC, s)) for s in sources],

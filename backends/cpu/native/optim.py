@@ -36,6 +36,13 @@ def _warn_if_missing() -> None:
             log.warning("%s; fused optimizers use the pure-torch reference step", exc)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The process-local tensor of a DTensor (an FSDP2/TP shard, sharing its storage), or ``t`` itself: the
+    updates are element-wise, so each rank steps its own shard (as torch.optim does on DTensors)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 class _FusedBase(torch.optim.Optimizer):
     """Shared parameter checks, fp32 master handling and state loading."""
 
@@ -45,9 +52,6 @@ class _FusedBase(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                if getattr(p, "device_mesh", None) is not None:
-                    raise KernelError(f"{type(self).__name__} does not take DTensor (FSDP/TP) parameters; use "
-                                      "crosstrain.optim.offload.OffloadOptimizer or torch.optim")
                 if p.dtype not in _PARAM_DTYPES:
                     dtype = str(p.dtype).replace("torch.", "")
                     raise KernelError(f"{type(self).__name__} takes fp32/bf16/fp16 parameters, got {dtype}; "
@@ -55,13 +59,21 @@ class _FusedBase(torch.optim.Optimizer):
         _warn_if_missing()
 
     @staticmethod
+    def _zeros(p: torch.Tensor) -> torch.Tensor:
+        """An fp32 state tensor like ``p``: a DTensor with ``p``'s placements for FSDP2/TP parameters, so
+        checkpoints reshard the state exactly as torch.optim's."""
+        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    @staticmethod
     def _master_and_out(p: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fp32 tensor the kernel updates and the low-precision tensor it writes (None for fp32 params)."""
+        """The fp32 tensor the kernel updates and the low-precision tensor it writes (None for fp32 params);
+        both process-local (a DTensor's shard)."""
         if p.dtype == torch.float32:
-            return p.data, None
+            return _local(p.data), None
         if "master" not in state:
-            state["master"] = p.detach().to(torch.float32, copy=True).contiguous()
-        return state["master"].view(p.shape), p.data
+            state["master"] = p.detach().to(torch.float32, copy=True)
+        local = _local(p.data)
+        return _local(state["master"]).view(local.shape), local
 
     @staticmethod
     def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -69,7 +81,7 @@ class _FusedBase(torch.optim.Optimizer):
         assert grad is not None
         if grad.is_sparse:
             raise KernelError("fused optimizers do not take sparse gradients; use torch.optim.SparseAdam")
-        return grad
+        return _local(grad)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -121,16 +133,17 @@ class FusedAdamW(_FusedBase):
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = self._zeros(p)
+                    state["exp_avg_sq"] = self._zeros(p)
                     if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                        state["max_exp_avg_sq"] = self._zeros(p)
                 master, out = self._master_and_out(p, state)
                 step = int(state["step"].item()) + 1
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)  # new tensor: never shared
+                max_sq = state.get("max_exp_avg_sq") if group["amsgrad"] else None
                 registry.call(
-                    "adamw_step", master, grad, state["exp_avg"], state["exp_avg_sq"],
-                    state.get("max_exp_avg_sq") if group["amsgrad"] else None, out,
+                    "adamw_step", master, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                    None if max_sq is None else _local(max_sq), out,
                     step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], maximize=group["maximize"],
                 )
@@ -184,8 +197,9 @@ class FusedSGD(_FusedBase):
                 if momentum != 0:
                     buf = state.get("momentum_buffer")
                     if buf is None:
-                        buf = state["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                        buf = state["momentum_buffer"] = self._zeros(p)
                         first = True
+                    buf = _local(buf)
                 registry.call(
                     "sgd_step", master, grad, buf, out, lr=group["lr"], momentum=momentum,
                     dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],

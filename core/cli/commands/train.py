@@ -7,7 +7,7 @@ import sys
 
 
 def _worker_args(args: argparse.Namespace, run_dir: str) -> list[str]:
-    out = ["train"]
+    out = ["-v", "train"] if getattr(args, "verbose", False) else ["train"]  # rank 0 reports the defaults
     if args.config:
         out.append(args.config)
     for item in _overrides(args):
@@ -89,4 +89,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts of the workers (with --nproc)")
     p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (with --nproc)")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node, with --nproc)")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="also name the optimizer step, kernels, compile and layout the defaults chose")
     p.set_defaults(func=run)

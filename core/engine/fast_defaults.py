@@ -1,0 +1,142 @@
+"""What the fast defaults chose, and why: ``parallel.compile = "auto"``, the kernels, and the report.
+
+``parallel.compile = "auto"`` compiles when it pays: the compile cache already holds this model (a run of the
+same model and layout compiled before: torch's on-disk inductor, FX-graph and AOTAutograd caches live under the
+user's cache directory, so a second run loads the kernels instead of generating them), or the run is long
+enough that the expected saving covers the compile. Never on a layout that does not compile (``tp > 1``, see
+:func:`crosstrain.parallel.parallelize`), nor by itself on pipeline or expert parallel layouts (untested with
+compile), nor on a model without block units to compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: a cold per-block inductor compile of a GPT on the host, forward and backward (measured: 20-60 s on 2 cores).
+COLD_COMPILE_S = 40.0
+#: the share of a step compile is expected to save (fused element-wise ops around the matmuls).
+EXPECTED_GAIN = 0.15
+#: the eager MFU assumed to estimate a step's time before any step ran.
+EAGER_MFU = 0.3
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    enabled: bool
+    reason: str
+    key: str = ""
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/crosstrain`` (``~/.cache/crosstrain``): per user, like the CPU peak-FLOP/s cache."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "crosstrain"
+
+
+def enable_compile_caches() -> Path:
+    """Point torch's on-disk compile caches under :func:`cache_root` (unless the user set them) and turn on the
+    FX-graph and AOTAutograd caches; returns the inductor cache dir."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:  # torch writes its default (under /tmp) into the variable the first time anything asks for the dir
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        torch_default = os.path.abspath(default_cache_dir())
+    except (ImportError, AttributeError):
+        torch_default = None
+    if current is None or os.path.abspath(current) == torch_default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    try:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = True
+        functorch_config.enable_autograd_cache = True
+    except (ImportError, AttributeError):  # a torch without these caches: compile still works, from scratch
+        pass
+    return inductor
+
+
+def model_key(module: torch.nn.Module, dims: Any, precision: str, micro_batch: int, seq_len: int) -> str:
+    """A stable key for "this model compiled this way": class, parameter shapes, layout, precision, batch shape."""
+    shapes = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+    text = json.dumps([type(module).__name__, shapes, dims.describe(), precision, micro_batch, seq_len,
+                       torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _record_path(key: str) -> Path:
+    return cache_root() / "compile" / f"{key}.json"
+
+
+def read_record(key: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(_record_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_record(key: str, compile_s: float) -> None:
+    """Remember that ``key`` compiled (and how long the first, cold or warm, compile took)."""
+    path = _record_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"compile_s": compile_s, "torch": torch.__version__}) + "\n")
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: the next run decides without the record
+        pass
+
+
+def decide_compile(requested: Any, dims: Any, has_units: bool, steps: int, est_step_s: float, key: str
+                   ) -> CompileChoice:
+    """Whether to compile (see the module docstring); ``requested`` is ``parallel.compile``."""
+    if requested is False:
+        return CompileChoice(False, "parallel.compile=false", key)
+    if requested is not True and requested != "auto":
+        return CompileChoice(True, f"parallel.compile={requested!r}", key)
+    if requested is True:
+        return CompileChoice(True, "parallel.compile=true", key)
+    if dims.tp > 1:
+        return CompileChoice(False, "parallel.tp > 1 does not compile in this torch build", key)
+    if dims.pp > 1 or dims.ep > 1:  # compile is tested with DDP and FSDP2 blocks only (tests/test_parallel_parity)
+        return CompileChoice(False, "auto compiles DDP/FSDP2 layouts only (parallel.pp/ep > 1); "
+                             "parallel.compile=true forces it", key)
+    if not has_units:
+        return CompileChoice(False, "the model declares no block units (ac_units) to compile", key)
+    record = read_record(key)
+    if record is not None:
+        return CompileChoice(True, f"warm compile cache (this model compiled before in {record.get('compile_s', 0):.0f}"
+                             " s)", key)
+    saving = steps * est_step_s * EXPECTED_GAIN
+    if saving > COLD_COMPILE_S:
+        return CompileChoice(True, f"expected saving {saving:.0f} s ({steps} steps x ~{est_step_s:.2f} s x "
+                             f"{EXPECTED_GAIN:.0%}) > a cold compile (~{COLD_COMPILE_S:.0f} s)", key)
+    return CompileChoice(False, f"expected saving {saving:.1f} s ({steps} steps x ~{est_step_s:.3f} s x "
+                         f"{EXPECTED_GAIN:.0%}) < a cold compile (~{COLD_COMPILE_S:.0f} s); "
+                         "parallel.compile=true forces it", key)
+
+
+def kernel_choices(device_type: str) -> dict[str, str]:
+    """Op -> the implementation the kernel registry dispatches host/device tensors of ``device_type`` to
+    (the highest-priority registered kernel of the active backend, else ``reference``)."""
+    from crosstrain.kernels import registry
+
+    if registry.mode == "reference":
+        return {op: "reference" for op in sorted(registry.ops())}
+    out: dict[str, str] = {}
+    for op in sorted(registry.ops()):
+        impls = [i for i in registry.impls(op) if i.device_type == device_type
+                 and (registry.active_backend is None or i.backend == registry.active_backend)]
+        out[op] = (impls[0].label or impls[0].backend) if impls else "reference"
+    return out

@@ -1,0 +1,1 @@
+"""Federated learning with secure aggregation (SecAgg+ over gRPC with TLS) and differential privacy."""

@@ -1,0 +1,54 @@
+"""The federated-learning plugin's hooks: ``crosstrain fl ...``, the ``[fl]`` section, the client's recipe."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import crosstrain
+
+
+@crosstrain.hookimpl
+def crosstrain_add_commands(subparsers: argparse._SubParsersAction) -> None:
+    from crosstrain.plugins.fl.cli import add_commands
+
+    add_commands(subparsers)
+
+
+@crosstrain.hookimpl
+def crosstrain_config_sections() -> dict[str, type]:
+    from crosstrain.plugins.fl.config import FLSection
+
+    return {"fl": FLSection}
+
+
+@crosstrain.hookimpl
+def crosstrain_recipe(name: str) -> Any:
+    if name != "fl_client":
+        return None
+    from crosstrain.errors import ConfigError
+    from crosstrain.plugins.fl import training
+
+    if training.ACTIVE is None:
+        raise ConfigError("train.recipe='fl_client' runs only under `crosstrain fl client` (it needs a server)")
+    return training.ACTIVE
+
+
+@crosstrain.hookimpl
+def crosstrain_recipe_names() -> list[str]:
+    return ["fl_client"]
+
+
+def _active(context: Any) -> Any:
+    if context.recipe != "fl_client":
+        return None
+    from crosstrain.plugins.fl import training
+
+    return training.ACTIVE
+
+
+@crosstrain.hookimpl
+def crosstrain_after_optimizer_step(context: Any, step: int) -> None:
+    recipe = _active(context)
+    if recipe is not None:
+        recipe.after_step(context, step)
