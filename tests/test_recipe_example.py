@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from run_kill import sigkill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--recipe", "lm_kl", "--set", "train.steps=12", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
@@ -71,14 +70,7 @@ def test_two_model_recipe_fsdp_matches_one_process_and_resumes_exactly(site, tmp
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "crosstrain", "train", *ARGS, "--run-dir", str(run), "--nproc", "2",
            "--set", "parallel.dp_shard=2", "--set", "checkpoint.every=3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(site),
-                            start_new_session=True)
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step_6").is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert not (run / "summary.json").exists(), "the run finished before it could be killed"
+    sigkill_after_checkpoint(cmd, run, 6, _env(site), timeout_s=300, poll_s=0.05)
     resumed = _train(site, run, "--nproc", "2", "--set", "parallel.dp_shard=2", "--set", "checkpoint.every=3")
     assert resumed["steps"] == 12 and resumed["steps_this_run"] < 12
     assert resumed["params_sha256"] == two["params_sha256"]

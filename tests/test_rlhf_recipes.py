@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from run_kill import sigkill_after_checkpoint
 
 from crosstrain.config import load_config
 from crosstrain.errors import ConfigError
@@ -160,14 +159,7 @@ def test_dpo_killed_and_resumed_matches_uninterrupted(tmp_path) -> None:
             "eval.every=0")
     ref = _train("dpo", tmp_path / "ref", *sets)
     run = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd("dpo", run, *sets), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=_env(), start_new_session=True)
-    deadline = time.time() + 120
-    while not (run / "checkpoints" / "step_4").is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert not (run / "summary.json").exists(), "the run finished before it could be killed"
+    sigkill_after_checkpoint(_cmd("dpo", run, *sets), run, 4, _env(), timeout_s=120)
     resumed = _train("dpo", run, *sets)
     assert resumed["steps"] == 40 and resumed["steps_this_run"] < 40
     assert resumed["params_sha256"] == ref["params_sha256"]

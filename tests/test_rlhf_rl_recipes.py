@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from run_kill import sigkill_after_checkpoint
 
 from crosstrain.errors import ConfigError
 from crosstrain.plugins.rlhf.rl.tasks import call_reward_fn, load_reward_fn, vowel_fraction
@@ -59,14 +58,7 @@ def test_grpo_killed_and_resumed_matches_uninterrupted(tmp_path) -> None:
     assert DIAGNOSTICS <= set(first)
     assert first["rollout_logprob_diff/max"] < 1e-4 and first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy = ref
     run = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd("grpo", run, *sets), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=_env(), start_new_session=True)
-    deadline = time.time() + 200
-    while not (run / "checkpoints" / "step_4").is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert not (run / "summary.json").exists(), "the run finished before it could be killed"
+    sigkill_after_checkpoint(_cmd("grpo", run, *sets), run, 4, _env(), timeout_s=200)
     resumed = _train("grpo", run, *sets)
     assert resumed["steps"] == 8 and resumed["steps_this_run"] < 8
     assert resumed["params_sha256"] == ref["params_sha256"]
