@@ -28,3 +28,12 @@ def plugin():
     yield register
     for name in names:
         pluginmanager.unregister(name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ranks_stop():
+    """Stop the 2 ranks that tests share (tests/shared_ranks.py) when the session ends."""
+    yield
+    import shared_ranks
+
+    shared_ranks.close()

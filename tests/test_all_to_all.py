@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import shared_ranks
 import torch
 
 from crosstrain.errors import CollectiveError
 from crosstrain.parallel import all_to_all_autograd, all_to_all_uneven_autograd, exchange_splits
-from crosstrain.testing.multiprocess import run_ranks
 
 WORLD = 2
 DIM = 3
@@ -69,7 +69,7 @@ def _ranks(collective: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[list[dict[str, Any]]]:
-    return run_ranks(_ranks, WORLD)
+    return shared_ranks.run(_ranks)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import shared_ranks
 import torch
 
 from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal, RNGState
 from crosstrain.checkpoint.manager import CheckpointManager
-from crosstrain.testing.multiprocess import run_ranks
 
 BATCH, SEQ, LR = 4, 16, 3e-3
 BEFORE, AFTER = 3, 3
@@ -133,7 +133,7 @@ def _fsdp_save(collective: Any, folder: str) -> dict[str, Any]:
     if collective.rank == 0:
         shutil.rmtree(newest)
     mgr.close()
-    # the same two ranks now load that checkpoint into a tp=2 layout (one spawn: start-up dominates here)
+    # the same two ranks now load that checkpoint into a tp=2 layout (one call: start-up dominates here)
     return {"after": after, "raised": raised, "staging_raised": staging_raised, "latest": info.step if info else None,
             "together": together.step if together else None,
             "tp_after": _tp_load(collective, folder)}
@@ -154,7 +154,7 @@ def _tp_load(collective: Any, folder: str) -> list[float]:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     folder = tmp_path_factory.mktemp("dist") / "checkpoints"
-    return folder, run_ranks(_fsdp_save, 2, str(folder), timeout=300)
+    return folder, shared_ranks.run(_fsdp_save, str(folder), timeout=300)
 
 
 def test_async_failure_on_one_rank_raises_on_every_rank(fsdp_run: tuple[Path, list[dict[str, Any]]]) -> None:

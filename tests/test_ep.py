@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import pytest
+import shared_ranks
 import torch
 from torch import nn
 
@@ -21,7 +22,6 @@ from crosstrain.parallel import (
     apply_ep,
     check_expert_model,
 )
-from crosstrain.testing.multiprocess import run_ranks
 
 DIM = 4
 TOKENS = 7  # per rank
@@ -162,7 +162,7 @@ def _ep_rank(collective: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict[str, Any]]:
-    return run_ranks(_ep_rank, 2)
+    return shared_ranks.run(_ep_rank)
 
 
 def test_mesh_has_an_ep_sub_mesh_and_the_flattened_dp_shard(per_rank):

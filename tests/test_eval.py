@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import shared_ranks
 import torch
 
 from crosstrain import hookimpl
@@ -78,21 +79,41 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_crosstrain_eval_matches_the_run_under_every_layout(tmp_path) -> None:
+def _eval_layouts(collective, run: str, layouts: list[str]) -> dict[str, dict]:
+    """``crosstrain eval``'s own function under each layout in turn, on the shared 2 ranks."""
+    from crosstrain.engine.evaluate_checkpoint import evaluate_checkpoint, resolve_checkpoint
+
+    run_dir, step_dir = resolve_checkpoint(run)
+    return {layout: evaluate_checkpoint(load_config(run_dir / "config.toml", [layout]), step_dir)
+            for layout in layouts}
+
+
+def test_crosstrain_eval_matches_the_run_under_every_layout(tmp_path, capsys) -> None:
+    from crosstrain.cli.main import main
+
     run = tmp_path / "run"
     summary = Trainer(_config(tmp_path, "eval.every=3", "checkpoint.every=6"), run_dir=run).fit()
-    one = _cli("eval", str(run), "--json")
-    assert one.returncode == 0, one.stderr
-    result = json.loads(one.stdout.strip().splitlines()[-1])
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json"]) == 0  # in this process, as the CLI runs it
+    one = capsys.readouterr()
+    result = json.loads(one.out.strip().splitlines()[-1])
     assert result["step"] == 6 and abs(result["loss"] - summary["eval_loss"]) <= 1e-6
-    for layout in ("parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "parallel.dp_replicate=2"):
-        proc = _cli("eval", str(run), "--json", "--nproc", "2", "--set", layout)
-        assert proc.returncode == 0, (layout, proc.stderr[-2000:])
-        other = json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
-        assert other["world_size"] == 2
+    # the CLI's --nproc launch once; every other layout through the same function on the shared 2 ranks
+    proc = _cli("eval", str(run), "--json", "--nproc", "2", "--set", "parallel.dp_shard=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    others = {"parallel.dp_shard=2": json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])}
+    layouts = ["parallel.tp=2", "parallel.pp=2", "parallel.dp_replicate=2"]
+    rank0, rank1 = shared_ranks.run(_eval_layouts, str(run), layouts, timeout=300)
+    assert [rank0[x]["rank"] for x in layouts] == [0] * 3 and [rank1[x]["rank"] for x in layouts] == [1] * 3
+    others.update(rank0)
+    for layout, other in others.items():
+        assert other["world_size"] == 2, layout
         assert abs(other["loss"] - result["loss"]) <= 1e-5 * result["loss"], layout
-    bad = _cli("eval", str(tmp_path / "nope"))
-    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+        if layout in rank1:
+            assert rank1[layout]["loss"] == other["loss"], layout  # every rank has the figures
+    assert main(["eval", str(tmp_path / "nope")]) == 2
+    bad = capsys.readouterr().err
+    assert "does not exist" in bad and "Traceback" not in bad
 
 
 class _Spoil:

@@ -16,6 +16,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from in_process import crosstrain_main
 
 from crosstrain.engine.ranks import RankMetricsWriter, StragglerDetector, busy_seconds
 from crosstrain.plugins.observability.panels import BUILTIN
@@ -150,14 +151,16 @@ def _panels(page: str) -> dict[str, list]:
 BUILTIN_PANELS = {f"panel-{p.id}" for p in BUILTIN}
 
 
-def _report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "crosstrain", "report", *args], capture_output=True, text=True,
-                          timeout=120, env=_env())
+def _report(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``crosstrain report ARGS`` in this process: its exit code and stderr."""
+    capsys.readouterr()
+    code = crosstrain_main(["report", *args])
+    return code, capsys.readouterr().err
 
 
-def test_report_shows_every_plot_of_a_2_rank_run(slow_run: Path, tmp_path: Path) -> None:
-    proc = _report(str(slow_run), "--out", str(tmp_path / "rep"))
-    assert proc.returncode == 0, proc.stderr
+def test_report_shows_every_plot_of_a_2_rank_run(slow_run: Path, tmp_path: Path, capsys) -> None:
+    code, err = _report(capsys, str(slow_run), "--out", str(tmp_path / "rep"))
+    assert code == 0, err
     page = (tmp_path / "rep" / "report.html").read_text()
     panels = _panels(page)
     assert BUILTIN_PANELS <= set(panels), set(panels)
@@ -196,10 +199,10 @@ def test_report_of_a_run_still_going(slow_run: Path, tmp_path: Path) -> None:
     assert _panels(page)["panel-loss"][0] > 0
 
 
-def test_report_of_a_dir_without_metrics_is_one_line_error(tmp_path: Path) -> None:
-    proc = _report(str(tmp_path))
-    assert proc.returncode != 0 and "is not a run dir (no metrics.jsonl)" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_report_of_a_dir_without_metrics_is_one_line_error(tmp_path: Path, capsys) -> None:
+    code, err = _report(capsys, str(tmp_path))
+    assert code != 0 and "is not a run dir (no metrics.jsonl)" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_report_in_headless_chromium(slow_run: Path, tmp_path: Path) -> None:
@@ -266,7 +269,7 @@ def _rank_pid(agent: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} worker under pid {agent}")
 
 
-def test_prometheus_stall_gauge_and_hang_dump_while_a_rank_is_stopped(tmp_path: Path) -> None:
+def test_prometheus_stall_gauge_and_hang_dump_while_a_rank_is_stopped(tmp_path: Path, capsys) -> None:
     """Scrape over 127.0.0.1 during a 2-rank run: the step advances; SIGSTOP on rank 1: the stall gauge rises and
     rank 0 writes its stacks and a ``hang`` event; SIGCONT, then SIGTERM: the run saves and exits 0."""
     port, run_dir = _free_port(), tmp_path / "run"
@@ -281,8 +284,8 @@ def test_prometheus_stall_gauge_and_hang_dump_while_a_rank_is_stopped(tmp_path: 
         assert later["crosstrain_loss"] > 0 and later["crosstrain_tokens_per_second"] > 0
         assert later["crosstrain_mfu"] > 0 and later["crosstrain_peak_memory_bytes"] > 0
         assert later["crosstrain_seconds_since_last_step"] < 2 and later["crosstrain_last_checkpoint_step"] == -1
-        live = _report(str(run_dir), "--out", str(tmp_path / "rep"))  # a report of the run while it goes
-        assert live.returncode == 0 and "running (no summary.json" in (tmp_path / "rep" / "report.html").read_text()
+        live, _ = _report(capsys, str(run_dir), "--out", str(tmp_path / "rep"))  # of the run while it goes
+        assert live == 0 and "running (no summary.json" in (tmp_path / "rep" / "report.html").read_text()
         rank1 = _rank_pid(proc.pid, 1)
         os.kill(rank1, signal.SIGSTOP)
         try:
@@ -306,26 +309,24 @@ def test_prometheus_stall_gauge_and_hang_dump_while_a_rank_is_stopped(tmp_path: 
     assert "no step completed for" in err  # the hang event's message, on rank 0's stderr
 
 
-def test_prometheus_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
+def test_prometheus_port_in_use_is_a_one_line_error(tmp_path: Path, capsys) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "crosstrain", "train",
-                               *_sets([*TINY, "parallel.dp_replicate=1", "train.steps=2",
-                                       f"observability.prometheus_port={port}"]),
-                               "--run-dir", str(tmp_path / "run")], env=_env(), capture_output=True, text=True,
-                              timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"prometheus_port {port} on 127.0.0.1 is not free" in lines[0], proc.stderr
+        code = crosstrain_main(["train", *_sets([*TINY, "parallel.dp_replicate=1", "train.steps=2",
+                                                 f"observability.prometheus_port={port}"]),
+                                "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"prometheus_port {port} on 127.0.0.1 is not free" in lines[0], err
 
 
-def test_hang_dump_longer_than_the_collective_timeout_is_a_config_error(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "crosstrain", "train",
-                           *_sets(["fault.collective_timeout_s=10", "observability.hang_dump_s=10"]),
-                           "--run-dir", str(tmp_path / "run")], env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "must be shorter than fault.collective_timeout_s" in proc.stderr
+def test_hang_dump_longer_than_the_collective_timeout_is_a_config_error(tmp_path: Path, capsys) -> None:
+    code = crosstrain_main(["train", *_sets(["fault.collective_timeout_s=10", "observability.hang_dump_s=10"]),
+                            "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and "must be shorter than fault.collective_timeout_s" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

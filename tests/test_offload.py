@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import shared_ranks
 import torch
 
 from crosstrain.optim.offload import OffloadOptimizer
@@ -204,9 +205,8 @@ def _fsdp_offload_save_and_reload(collective, folder: str) -> dict:
 
 
 def test_fsdp_offload_matches_adamw_and_checkpoints_each_ranks_shard(tmp_path):
-    from crosstrain.testing.multiprocess import run_ranks
 
-    results = run_ranks(_fsdp_offload_save_and_reload, 2, str(tmp_path / "ckpt"), timeout=300)
+    results = shared_ranks.run(_fsdp_offload_save_and_reload, str(tmp_path / "ckpt"), timeout=300)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["offload"]), torch.tensor(r["ref"]), rtol=1e-5, atol=1e-5)
         assert r["resumed"] == r["offload"][3:]

@@ -1,7 +1,8 @@
-"""Every parallel layout trains the tiny GPT exactly like one process: real gloo processes, 20 fp32 AdamW steps
+"""Every parallel layout trains the tiny GPT exactly like one process: real gloo processes, 8 fp32 AdamW steps
 on fixed data, per-step losses and gradient norms within 1e-4 relative, and the same full state at the end.
 
-One spawn per world size runs all of its layouts in sequence (process start-up dominates on 2 cores).
+The 2-rank layouts run in sequence on the session's shared 2 ranks (tests/shared_ranks.py), the 4-rank ones on
+one spawn (process start-up dominates on 2 cores).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import math
 from typing import Any
 
 import pytest
+import shared_ranks
 import torch
 
 from crosstrain.testing.multiprocess import run_ranks
 
-STEPS = 20
+STEPS = 8
 BATCH = 4
 SEQ = 16
 LR = 3e-3
@@ -163,7 +165,7 @@ def _reference(tie: bool) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results2() -> dict[str, Any]:
-    return _merge(run_ranks(_run_all, 2, {**LAYOUTS_2, **MIXED_2, **TIED_2}, timeout=500))
+    return _merge(shared_ranks.run(_run_all, {**LAYOUTS_2, **MIXED_2, **TIED_2}, timeout=500))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 model without plans (FSDP2/DDP train it; tp/pp/AC/compile are one-line errors naming its class), the loss
 passed into the parallel model (also under pp), the micro-batch helpers, and frozen models.
 
-The 2-rank cases share one spawn of real gloo processes; each is compared with the 1-process run.
+The 2-rank cases share one call on the session's 2 real gloo ranks (tests/shared_ranks.py); each is compared
+with the 1-process run.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import warnings
 from typing import Any
 
 import pytest
+import shared_ranks
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -28,7 +30,6 @@ from crosstrain.parallel import (
     register_parallel_plan,
 )
 from crosstrain.parallel.plan import find_plan, tp_plans
-from crosstrain.testing.multiprocess import run_ranks
 
 STEPS = 5
 BATCH = 4
@@ -189,7 +190,7 @@ def _single(kind: str, **kwargs: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_ranks(_worker, 2, timeout=500)
+    return shared_ranks.run(_worker, timeout=500)
 
 
 def _close(got: dict[str, Any], want: dict[str, Any], rel: float = REL) -> None:

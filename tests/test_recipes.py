@@ -4,8 +4,6 @@ the typed run context, the gradient hook's contract, the after-optimizer-step ho
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +12,7 @@ import torch
 from torch import nn
 
 from crosstrain import hookimpl
+from crosstrain.cli.main import main
 from crosstrain.config import load_config
 from crosstrain.engine import Trainer
 from crosstrain.engine.aux_loss import add_aux_loss
@@ -29,14 +28,12 @@ def _config(tmp_path, *extra: str):
     return load_config(None, [*SMALL, f"train.output_dir={tmp_path / 'runs'}", *extra])
 
 
-def test_unknown_recipe_is_one_line_and_writes_nothing(tmp_path) -> None:
+def test_unknown_recipe_is_one_line_and_writes_nothing(tmp_path, capsys) -> None:
     with pytest.raises(ConfigError, match=r"train.recipe='nope' is not a known recipe; known: lm"):
         resolve_recipe("nope")
     out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "crosstrain", "train", "--recipe", "nope",
-                           "--set", f"train.output_dir={out}"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    lines = [x for x in proc.stderr.strip().splitlines() if x]
+    assert main(["train", "--recipe", "nope", "--set", f"train.output_dir={out}"]) == 2
+    lines = [x for x in capsys.readouterr().err.strip().splitlines() if x]
     assert len(lines) == 1 and "train.recipe='nope' is not a known recipe" in lines[0] and "lm" in lines[0]
     assert not out.exists()
 

@@ -14,13 +14,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import shared_ranks
 import torch
 import torch.nn.functional as F
 
 from crosstrain.config import load_config
 from crosstrain.plugins.rlhf.rl.grpo import GRPORecipe
 from crosstrain.recipes.lm import build_model
-from crosstrain.testing.multiprocess import run_ranks
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SETS = ["model.n_layers=1", "model.dim=32", "model.n_heads=2", "train.batch_size=16", "rl.num_generations=2",
@@ -110,7 +110,7 @@ def rollouts(tmp_path_factory) -> Path:
 def test_loss_and_grads_match_across_ranks_and_grad_accum(rollouts) -> None:
     base = _layout(None, str(rollouts), 1, 1)
     accum = _layout(None, str(rollouts), 1, 4)
-    two, two_accum = run_ranks(_two_layouts, 2, str(rollouts))[0]
+    two, two_accum = shared_ranks.run(_two_layouts, str(rollouts))[0]
     assert float(base["token-mean"]["metrics"][1]) > 0  # some tokens were clipped: the test is not at ratio 1
     losses = {m: base[m]["loss"] for m in MODES}
     assert len({round(v, 6) for v in losses.values()}) == len(MODES)  # the modes differ from each other

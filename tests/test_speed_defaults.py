@@ -6,6 +6,7 @@ import copy
 import json
 
 import pytest
+import shared_ranks
 import torch
 
 from crosstrain.config import check_world, load_config
@@ -143,9 +144,7 @@ def _two_rank_runs(collective, opts: list[str], out: str) -> dict:
 
 
 def test_two_ranks_ddp_by_default_native_on_fsdp2_shards_and_exact_resume(tmp_path) -> None:
-    from crosstrain.testing.multiprocess import run_ranks
-
-    rank0, rank1 = run_ranks(_two_rank_runs, 2, TINY, str(tmp_path), timeout=300)
+    rank0, rank1 = shared_ranks.run(_two_rank_runs, TINY, str(tmp_path), timeout=300)
     auto, whole, resumed = rank0["auto"], rank0["whole"], rank0["resumed"]
     assert auto["mesh"]["dp_replicate"] == 2 and auto["mesh"]["dp_shard"] == 1
     assert auto["defaults"]["layout"]["choice"] == "ddp" and "fits" in auto["defaults"]["layout"]["reason"]

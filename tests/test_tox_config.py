@@ -63,3 +63,18 @@ def test_absent_hardware_env_skips_with_one_line_and_exit_0():
     lines = [line for line in proc.stdout.splitlines() if "skipped" in line]
     assert len(lines) == 1 and lines[0].startswith("npu: skipped: no Ascend NPU driver here"), proc.stdout
     assert "install_deps" not in proc.stdout and "commands[" not in proc.stdout, proc.stdout
+
+
+def test_type_env_installs_every_dependency_mypy_reads_without_building_the_package():
+    """The type env skips the package build (mypy reads core/ from the tree) but installs each of the package's
+    dependencies, so mypy checks core/ against their types exactly as with the package installed."""
+    from crosstrain.config.toml_io import read_toml
+
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read(ROOT / "tox.ini")
+    section = ini["testenv:type"]
+    assert section.getboolean("skip_install") and section["commands"].strip().startswith("mypy core")
+    deps = {line.strip() for line in section["deps"].splitlines() if line.strip()}
+    assert "-r requirements/cpu.txt" in deps and {"mypy>=1.10", "pytest>=8"} <= deps  # the torch pin
+    wanted = [d for d in read_toml(ROOT / "pyproject.toml")["project"]["dependencies"] if not d.startswith("torch")]
+    assert wanted and set(wanted) <= deps, sorted(set(wanted) - deps)

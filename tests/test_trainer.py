@@ -7,6 +7,7 @@ import math
 import textwrap
 
 import pytest
+import shared_ranks
 import torch
 
 from crosstrain import hookimpl, pluginmanager
@@ -243,10 +244,8 @@ def _fsdp_twice(collective, opts: list[str], out: str) -> list[dict]:
 
 
 def test_fsdp_two_ranks_is_deterministic_and_matches_single_process(tmp_path) -> None:
-    from crosstrain.testing.multiprocess import run_ranks
-
     opts = [*SMALL, "train.steps=6", "parallel.dp_shard=2"]
-    rank0, rank1 = run_ranks(_fsdp_twice, 2, opts, str(tmp_path / "fsdp"), timeout=300)
+    rank0, rank1 = shared_ranks.run(_fsdp_twice, opts, str(tmp_path / "fsdp"), timeout=300)
     first, second = rank0
     assert first["mesh"]["dp_shard"] == 2
     assert first["sha"] == second["sha"] == rank1[0]["sha"]  # same layout and seed: identical parameters
