@@ -8,7 +8,8 @@ timed from sending the global model to the aggregate (plain: the float32 updates
 SecAgg+ stages, masking and unmasking included). ``vs_flower`` would time Flower's SecAgg+ on the same clients
 and vector size; it is null when ``flwr`` is not installed.
 
-Last line: JSON ``{"secure_over_plain": ..., "vs_flower": ..., ...}``.
+Last line: JSON ``{"secure_over_plain": ..., "vs_flower": ..., ...}``; ``stages_s`` is the server's median time per
+stage (``train_s``, the SecAgg+ stages' ``advertise_s`` ... ``unmask_s``, and ``aggregate_s`` after training).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> int:
                  for c in range(args.clients)]
         times: dict[str, list[float]] = {"plain": [], "secure": []}
         errors: dict[str, float] = {}
+        stages: dict[str, dict[str, list[float]]] = {"plain": {}, "secure": {}}  # per-stage seconds, server side
         try:
             ids = coordinator.wait_for_clients(args.clients, 300, within_s=300)
             zero = np.zeros(args.dim, np.float32)
@@ -66,6 +68,9 @@ def main() -> int:
                 errors[mode] = max(errors.get(mode, 0.0), float(np.abs(out.mean - exact).max()))
                 if r >= 2:
                     times[mode].append(elapsed)
+                    for key, value in out.stats.items():
+                        if key.endswith("_s") and isinstance(value, float):
+                            stages[mode].setdefault(key, []).append(value)
                 print(f"round {r} {mode}: {elapsed:.3f} s", file=sys.stderr, flush=True)
         finally:
             coordinator.finish()
@@ -83,6 +88,7 @@ def main() -> int:
         "plain_round_s": round(plain, 4), "secure_round_s": round(secure, 4),
         "plain_rounds_s": [round(t, 4) for t in times["plain"]],
         "secure_rounds_s": [round(t, 4) for t in times["secure"]],
+        "stages_s": {mode: {k: round(statistics.median(v), 4) for k, v in per.items()} for mode, per in stages.items()},
         "max_abs_error_vs_exact_mean": errors,
         "secure_over_plain": round(secure / plain, 3),
         "vs_flower": None,

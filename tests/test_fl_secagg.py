@@ -282,6 +282,13 @@ def test_shamir_threshold_and_prg():
     words = crypto.prg(seed, 1000, np.dtype(np.uint32))
     assert np.array_equal(words, crypto.prg(seed, 1000, np.dtype(np.uint32)))
     assert (words != crypto.prg(bytes(32), 1000, np.dtype(np.uint32))).mean() > 0.99
+    # add_masks expands the same streams block by block (here 3 blocks and a ragged end), wrapping mod 2**64
+    size, seeds = 3 * (1 << 15) + 5, [bytes([i]) * 32 for i in range(3)]
+    acc = np.arange(size, dtype=np.uint64)
+    crypto.add_masks(acc, [(seeds[0], True), (seeds[1], False), (seeds[2], True)])
+    u64 = np.dtype(np.uint64)
+    expected = np.arange(size, dtype=np.uint64) + crypto.prg(seeds[0], size, u64) - crypto.prg(seeds[1], size, u64)
+    assert np.array_equal(acc, expected + crypto.prg(seeds[2], size, u64))
 
 
 def test_quantiser_headroom_unbiased_rounding_and_overflow_count():

@@ -123,9 +123,11 @@ def _secure(coordinator: Coordinator, fl: FLSection, round_id: int,
 
     try:
         for stage in STAGES:
+            started = time.perf_counter()
             coordinator.open_stage(round_id, stage, session.requests(stage), meta, accept(stage))
             coordinator.wait(fl.stage_timeout_s)
             session.close_stage(stage)
+            stats[f"{stage}_s"] = time.perf_counter() - started
         result = session.result()
     except SecAggAbort as exc:
         return RoundOutcome(round_id, None, [], [], float("nan"), 0.0, stats, f"secure aggregation aborted: {exc}")

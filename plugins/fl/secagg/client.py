@@ -12,6 +12,12 @@ self-mask seed ``b``. Stage by stage it answers the server:
    of ``s_sk_v``; never both for one neighbour, so the server never rebuilds both secrets of anyone.
 
 Every request is checked for round, stage, addressee and MAC tag before anything is revealed.
+
+The heavy work runs on one worker thread, off the stages' critical path (numpy releases the GIL in its loops, so
+it overlaps the transport's waits): quantising and the self mask ``PRG(b)`` (its seed is local) start when the
+session is made, the pairwise masks as soon as the share request names the neighbours' ``s_pk``. The masked stage
+then only takes out again the masks of neighbours whose shares never came (they dropped before sharing), which
+Bonawitz et al.'s step 3 leaves out from the start: the sum is the same.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from crosstrain.plugins.fl.secagg import crypto, graph, shamir, wire
 from crosstrain.plugins.fl.secagg.errors import ProtocolError
 from crosstrain.plugins.fl.secagg.params import SecAggParams
-from crosstrain.plugins.fl.secagg.quantise import quantise
+from crosstrain.plugins.fl.secagg.quantise import check_update, quantise
 
 SHARE_KEY, MASK_KEY, SERVER_KEY = b"share", b"mask", b"server"
 
@@ -61,7 +68,8 @@ class ClientSession:
         if client_id < 0 or round_id < 0:
             raise ValueError(f"client id {client_id} and round id {round_id} must be non-negative integers")
         self.client_id, self.round_id, self.params = client_id, round_id, params
-        self.words, self.clipped = quantise(vector, weight, params, rounding_seed)
+        # bad input fails here, at once; the copy is one the caller cannot change while the worker reads it
+        vector = np.array(check_update(vector, weight, params)[0])
         self._next = 0  # index into wire.STAGES of the next request this client answers
         self._c_key, self._s_key = crypto.new_key(), crypto.new_key()
         self._seed = os.urandom(crypto.KEY_BYTES)
@@ -71,6 +79,33 @@ class ClientSession:
         self._keys: dict[int, tuple[bytes, bytes]] = {}  # neighbour -> (c_pk, s_pk)
         self._held: dict[int, tuple[int, int]] = {}  # neighbour -> my shares of (its b, its s_sk)
         self._request = b""
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"secagg-client-{client_id}")
+        self._quantised = self._worker.submit(self._quantise, vector, weight, rounding_seed)
+        self._pairs: Future[None] | None = None
+
+    @property
+    def words(self) -> np.ndarray:
+        """The quantised words ``[q(w x)..., q(w), clipped]`` (see :func:`.quantise.quantise`)."""
+        return self._quantised.result()[0]
+
+    @property
+    def clipped(self) -> int:
+        """How many of this client's coordinates were clipped (exact; the server sees only the total)."""
+        return self._quantised.result()[1]
+
+    def _quantise(self, vector: np.ndarray, weight: float, rounding_seed: int | None) -> tuple[
+            np.ndarray, int, np.ndarray]:
+        words, clipped = quantise(vector, weight, self.params, rounding_seed)
+        y = words.copy()
+        crypto.add_masks(y, [(self._seed, True)])
+        return words, clipped, y
+
+    def _pair_masks(self, neighbours: list[int], undo: bool = False) -> None:
+        """``y +- PRG(k_uv)`` in place for each neighbour ``v``: added when ``u < v``, subtracted otherwise (the
+        reverse when ``undo``). On the worker it runs after :meth:`_quantise` (one thread, tasks in order)."""
+        y = self._quantised.result()[2]
+        keys = [crypto.agree(self._s_key, self._keys[v][1], MASK_KEY, self.round_id) for v in neighbours]
+        crypto.add_masks(y, [(k, (self.client_id < v) != undo) for k, v in zip(keys, neighbours, strict=True)])
 
     def respond(self, stage: str, request: bytes) -> bytes:
         """The reply to the server's ``stage`` request; :class:`ProtocolError` if the request is not genuine."""
@@ -122,6 +157,8 @@ class ClientSession:
             key = crypto.agree(self._c_key, self._keys[v][0], SHARE_KEY, self.round_id)
             plain = shamir.to_bytes(b_shares[self._x[v]]) + shamir.to_bytes(sk_shares[self._x[v]])
             sealed[str(v)] = b64(crypto.seal(key, plain, crypto.share_aad(self.round_id, self.client_id, v)))
+        # the masks of every neighbour that got keys; _masked takes out those whose shares do not arrive
+        self._pairs = self._worker.submit(self._pair_masks, sorted(self._keys))
         return {"shares": wire.dumps(sealed)}
 
     def _masked(self, msg: wire.Message) -> dict[str, bytes]:
@@ -139,15 +176,12 @@ class ClientSession:
                 held[v] = (shamir.from_bytes(plain[:n]), shamir.from_bytes(plain[n:]))
             except ValueError as e:
                 raise ProtocolError(f"share from client {v} is not a field element") from e
+        assert self._pairs is not None  # set by _share, which ran before (the stage order is checked)
+        self._pairs.result()  # re-raises the worker's error here (a degenerate neighbour key)
         self._held = held
-        dtype, count = self.params.dtype, self.words.size
-        y = self.words + crypto.prg(self._seed, count, dtype)
-        for v in sorted(self._held):
-            mask = crypto.prg(crypto.agree(self._s_key, self._keys[v][1], MASK_KEY, self.round_id), count, dtype)
-            if self.client_id < v:
-                np.add(y, mask, out=y)
-            else:
-                np.subtract(y, mask, out=y)
+        y, dtype = self._quantised.result()[2], self.params.dtype
+        self._pair_masks(sorted(set(self._keys) - set(held)), undo=True)  # dropped before sharing: not in U2
+        self._worker.shutdown(wait=False)
         if self.params.bits < 8 * dtype.itemsize:
             np.bitwise_and(y, dtype.type(2**self.params.bits - 1), out=y)
         return {"y": y.astype(dtype.newbyteorder("<"), copy=False).tobytes()}

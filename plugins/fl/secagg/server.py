@@ -225,19 +225,18 @@ class ServerSession:
         t = self.params.threshold
         self._need(self._to_rebuild(), self._live, "unmask")
         assert self._sum is not None
-        acc, dtype, count = self._sum, self.params.dtype, self._sum.size
-        for u in sorted(self._survivors):
-            seed = _first(self._b_shares[u], t, u)
-            np.subtract(acc, crypto.prg(seed.to_bytes(crypto.KEY_BYTES, "big"), count, dtype), out=acc)
+        acc, count = self._sum, self._sum.size
+        masks = [(_first(self._b_shares[u], t, u).to_bytes(crypto.KEY_BYTES, "big"), False)
+                 for u in sorted(self._survivors)]  # every survivor's self mask comes off
         for d in sorted(self._to_rebuild() - self._survivors):
             raw = _first(self._sk_shares[d], t, d).to_bytes(crypto.KEY_BYTES, "big")
             s_key = crypto.X25519PrivateKey.from_private_bytes(raw)
             if crypto.public_bytes(s_key) != self._pks[d][1]:
                 raise ProtocolError(f"the shares of client {d}'s mask key do not rebuild its advertised key")
-            for u in sorted(self.graph[d] & self._survivors):
-                mask = crypto.prg(crypto.agree(s_key, self._pks[u][1], MASK_KEY, self.round_id), count, dtype)
-                # u added this mask if u < d, subtracted it otherwise
-                (np.subtract if u < d else np.add)(acc, mask, out=acc)
+            # a survivor u added its mask with d if u < d, subtracted it otherwise: undo that
+            masks += [(crypto.agree(s_key, self._pks[u][1], MASK_KEY, self.round_id), u > d)
+                      for u in sorted(self.graph[d] & self._survivors)]
+        crypto.add_masks(acc, masks)
         survivors = sorted(self._survivors)
         mean, total_weight, stats = dequantise(acc, len(survivors), self.params)
         stats.update(survivors=len(survivors), dropped=self.params.num_clients - len(survivors),

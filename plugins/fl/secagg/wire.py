@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from crosstrain.plugins.fl.secagg.crypto import MAC_BYTES, mac, verify_mac
+from crosstrain.plugins.fl.secagg.crypto import MAC_BYTES, mac_parts, verify_mac
 from crosstrain.plugins.fl.secagg.errors import ProtocolError
 
 MAGIC = b"XTSA"
@@ -55,8 +55,7 @@ def encode(msg: Message, key: bytes | None) -> bytes:
     for name, data in msg.fields.items():
         encoded = name.encode()
         parts += [_FIELD.pack(len(encoded), len(data)), encoded, data]
-    body = b"".join(parts)
-    return body + mac(key, body) if key is not None else body
+    return b"".join(parts + [mac_parts(key, parts)] if key is not None else parts)
 
 
 def dumps(value: Any) -> bytes:
