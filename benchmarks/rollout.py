@@ -5,15 +5,20 @@ random GPT ``--preset``, three ways, side by side: repetitions interleave the me
 each figure is the median tokens/s over the repetitions.
 
 - ``engine``: :func:`crosstrain.generation.generate` (preallocated cache written in place, one forward per token);
+- ``engine_compiled``: the same with ``GenerationConfig(compile=True)`` (each decode step one ``torch.compile``-d
+  static-shape forward over the whole cache); its first call, which compiles, is timed apart as ``compile_s``
+  (``--no-compile`` leaves it out);
 - ``recompute``: ``GPT.forward`` over the whole sequence for every new token (no cache);
 - ``concat``: ``GPT.forward_with_cache``, whose per-layer cache is ``torch.cat``-extended every token.
 
-All three must emit the same tokens (checked). Prints a table, then ONE JSON line with ``kv_cache_speedup``
-(engine / recompute, goal >= 5) and ``static_over_concat`` (engine / concat, goal >= 1.3) from the medians, the
-same ratios from each method's fastest repetition (``*_best``), the tokens/s of each, and the machine's load
-average (the figures are only comparable on a quiet machine).
+All must emit the same tokens (checked). Prints a table, then ONE JSON line with ``kv_cache_speedup``
+(engine / recompute, goal >= 5) and ``static_over_concat`` (engine / concat, goal >= 1.3) from the medians,
+``compiled_over_concat`` and ``compiled_over_engine`` likewise, the same ratios from each method's fastest
+repetition (``*_best``), the tokens/s of each, ``compile_s``, and the machine's load average (the figures are
+only comparable on a quiet machine).
 
     python benchmarks/rollout.py [--preset small] [--batch 16] [--new-tokens 128] [--prompt-len 32] [--reps 3]
+                                 [--no-compile]
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ from crosstrain.models.gpt import GPT, build_gpt
 
 def run_engine(model: GPT, prompts: torch.Tensor, steps: int) -> torch.Tensor:
     return generate(model, prompts.tolist(), GenerationConfig(max_new_tokens=steps, greedy=True)).tokens
+
+
+def run_engine_compiled(model: GPT, prompts: torch.Tensor, steps: int) -> torch.Tensor:
+    return generate(model, prompts.tolist(), GenerationConfig(max_new_tokens=steps, greedy=True, compile=True)).tokens
 
 
 @torch.no_grad()
@@ -69,6 +78,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--device", default="cpu", help="e.g. cpu, cuda")
+    ap.add_argument("--no-compile", action="store_true", help="leave out engine_compiled (compiling takes a while)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,6 +89,14 @@ def main() -> None:
     methods: dict[str, Callable[[GPT, torch.Tensor, int], torch.Tensor]] = {
         "engine": run_engine, "recompute": run_recompute, "concat": run_concat}
     tokens = {name: fn(model, prompts, 4) for name, fn in methods.items()}  # warm-up
+    compile_s = None
+    if not args.no_compile:  # compiles for the timed shapes (dynamic=False: one graph per cache length)
+        _sync(device)
+        t0 = time.perf_counter()
+        tokens["engine_compiled"] = run_engine_compiled(model, prompts, args.new_tokens)
+        _sync(device)
+        compile_s = time.perf_counter() - t0
+        methods["engine_compiled"] = run_engine_compiled
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for rep in range(args.reps):
@@ -91,7 +109,7 @@ def main() -> None:
     new = args.batch * args.new_tokens
     tps = {name: new / statistics.median(s) for name, s in seconds.items()}
     best = {name: new / min(s) for name, s in seconds.items()}  # less sensitive to other processes' bursts
-    match = all(torch.equal(tokens["engine"], tokens[n]) for n in ("recompute", "concat"))
+    match = all(torch.equal(tokens["engine"], tokens[n]) for n in methods)
     result = {
         "preset": args.preset, "batch": args.batch, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
         "reps": args.reps, "device": str(device), "threads": torch.get_num_threads(),
@@ -100,6 +118,11 @@ def main() -> None:
         "static_over_concat": round(tps["engine"] / tps["concat"], 3),
         "kv_cache_speedup_best": round(best["engine"] / best["recompute"], 3),
         "static_over_concat_best": round(best["engine"] / best["concat"], 3),
+        "compile_s": None if compile_s is None else round(compile_s, 1),
+        **({} if compile_s is None else {
+            "compiled_over_concat": round(tps["engine_compiled"] / tps["concat"], 3),
+            "compiled_over_engine": round(tps["engine_compiled"] / tps["engine"], 3),
+            "compiled_over_concat_best": round(best["engine_compiled"] / best["concat"], 3)}),
         "loadavg": list(os.getloadavg()),
     }
     for name in names:

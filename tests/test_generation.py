@@ -108,6 +108,23 @@ def test_sampling_seeded_top_k_top_p_and_stop_tokens() -> None:
     assert int(stopped.lengths[0]) == first + 1
 
 
+def test_compiled_static_step_emits_the_eager_tokens_and_logprobs() -> None:
+    """``compile=True``: one torch.compile-d static-shape step over the whole cache under a mask (ragged prompts,
+    so the pad mask and the unwritten-slot mask both bite) gives eager decoding's greedy and seeded-sampled tokens,
+    and log-probs within 1e-5 of eager's and of a teacher-forced forward."""
+    model = _model(n_kv_heads=2)
+    for kw in ({"greedy": True}, {"top_k": 8}):  # the same shapes: one compiled graph serves both
+        eager = generate(model, PROMPTS, GenerationConfig(max_new_tokens=8, pad_token=1, **kw),
+                         torch.Generator().manual_seed(2))
+        compiled = generate(model, PROMPTS, GenerationConfig(max_new_tokens=8, pad_token=1, compile=True, **kw),
+                            torch.Generator().manual_seed(2))
+        assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.sequences, eager.sequences), kw
+        torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-5)
+        ref = torch.log_softmax(_teacher_forced_logits(model, PROMPTS[1], compiled.tokens[1].tolist()), -1)
+        ref = ref.gather(-1, compiled.tokens[1].unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(compiled.logprobs[1], ref, rtol=0, atol=1e-5)  # the most padded row
+
+
 def test_bad_inputs_are_one_line_config_errors() -> None:
     model = _model()
     with pytest.raises(ConfigError, match="at least one token"):
@@ -145,11 +162,17 @@ def _sharded(collective: Any) -> dict[str, Any]:
         got_g = generate(pm.module, prompts, greedy)
         got_s = generate(pm.module, prompts, sampled, torch.Generator().manual_seed(5))
         weight = pm.module.get_parameter("layers.0.attention.wq.weight")
+        try:
+            generate(pm.module, prompts, GenerationConfig(max_new_tokens=2, compile=True))
+            compile_refused = False
+        except ConfigError as e:
+            compile_refused = "unsharded model" in str(e)
         out[name] = {
             "greedy": torch.equal(got_g.tokens, want_g.tokens), "sampled": torch.equal(got_s.tokens, want_s.tokens),
             "logprob_err": float((got_g.logprobs - want_g.logprobs).abs().max()),
             "resharded": isinstance(weight, DTensor) and weight.to_local().shape[0] == 32,
             "trains_after": bool(torch.isfinite(pm.module(torch.tensor([PROMPTS[0]]))).all()),
+            "compile_refused": compile_refused,
         }
     return out
 
@@ -159,6 +182,7 @@ def test_fsdp2_and_tp_sharded_generate_what_the_unsharded_model_does() -> None:
         for name, r in result.items():
             assert r["greedy"] and r["sampled"], f"rank {rank} {name}: {r}"
             assert r["logprob_err"] <= 1e-5 and r["resharded"] and r["trains_after"], f"rank {rank} {name}: {r}"
+            assert r["compile_refused"], f"rank {rank} {name}: compile=True accepted a sharded model"
 
 
 def test_export_torch_engine_decodes_like_the_core_engine() -> None:

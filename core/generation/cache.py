@@ -2,7 +2,8 @@
 
 Decoding appends one slot per step by slice assignment into buffers allocated once, so a step costs the same
 however long the sequence already is (the concatenating cache of ``GPT.forward_with_cache`` copies the whole
-past every step). Attention reads only the filled prefix ``[:length]``.
+past every step). Attention reads only the filled prefix ``[:length]``, or, after :meth:`StaticKVCache.make_static`
+(the compiled decode step), the whole buffer under a mask, so every step has the same shapes.
 """
 
 from __future__ import annotations
@@ -22,31 +23,67 @@ class StaticKVCache:
                  device: torch.device | str | None = None) -> None:
         self.batch = batch
         self.max_len = max_len
-        self.length = 0
+        self._length = 0
+        self.slot: torch.Tensor | None = None  # static mode: the fill position as a [1] long tensor
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else None
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
 
+    @property
+    def length(self) -> int:
+        """Slots filled (in static mode read from the device: a host sync)."""
+        return self._length if self.slot is None else int(self.slot)
+
+    def make_static(self) -> None:
+        """Static-shape mode, for a decode step compiled once (as HF ``StaticCache`` and gpt-fast do): the fill
+        position lives in a device tensor advanced in place, :meth:`write` returns the whole buffers, and
+        :meth:`attention_mask` masks the unfilled slots; no Python int changes between steps. Call after the
+        prefill has allocated the buffers."""
+        device = next(t.device for t in self.keys if t is not None)
+        self.slot = torch.tensor([self._length], dtype=torch.long, device=device)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, H, L, D]`` at slots ``[length, length + L)``; return the filled ``[B, H, length+L, D]``
-        views (no copy). :meth:`advance` moves ``length`` once every layer has written."""
-        end = self.length + k.shape[2]
+        views (no copy), or the whole ``[B, H, max_len, D]`` buffers in static mode. :meth:`advance` moves
+        ``length`` once every layer has written."""
+        keys, values = self.keys[layer], self.values[layer]
+        if self.slot is not None and keys is not None and values is not None:
+            index = self.slot + torch.arange(k.shape[2], device=self.slot.device)
+            keys.index_copy_(2, index, k.to(keys.dtype))
+            values.index_copy_(2, index, v.to(values.dtype))
+            return keys, values
+        end = self._length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_len} allocated")
-        keys, values = self.keys[layer], self.values[layer]
         if keys is None or values is None:
             shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
             dtype, device = self.dtype or k.dtype, self.device or k.device
             keys = torch.zeros(shape, dtype=dtype, device=device)
             values = torch.zeros(shape, dtype=dtype, device=device)
             self.keys[layer], self.values[layer] = keys, values
-        keys[:, :, self.length:end] = k
-        values[:, :, self.length:end] = v
+        keys[:, :, self._length:end] = k
+        values[:, :, self._length:end] = v
         return keys[:, :, :end], values[:, :, :end]
 
     def advance(self, n: int) -> None:
-        self.length += n
+        if self.slot is None:
+            self._length += n
+        else:
+            self.slot.add_(n)
+
+    def attention_mask(self, key_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+        """The sdpa mask for ``length`` new queries over what :meth:`write` returns: :func:`cached_attention_mask`,
+        or in static mode over all ``max_len`` slots (``key_mask [B, max_len]`` or ``None``), where slots not
+        yet written are masked like future ones."""
+        if self.slot is None:
+            return cached_attention_mask(key_mask, self._length, length)
+        rows = (self.slot + torch.arange(length, device=self.slot.device)).unsqueeze(1)
+        cols = torch.arange(self.max_len, device=self.slot.device).unsqueeze(0)
+        visible = cols <= rows  # [L, max_len]: the past and itself, never the unwritten tail
+        if key_mask is None:
+            return visible
+        return (key_mask[:, None, None, :] & visible) | (cols == rows)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)

@@ -14,7 +14,13 @@ from crosstrain.errors import ConfigError
 class GenerationConfig:
     """Decoding settings. ``greedy`` takes the argmax; otherwise tokens are sampled from the model's distribution
     at ``temperature``, restricted to the ``top_k`` most likely tokens (0 = off) and to the nucleus of mass
-    ``top_p`` (1.0 = off). A row stops after emitting one of ``stop_tokens``; later slots hold ``pad_token``."""
+    ``top_p`` (1.0 = off). A row stops after emitting one of ``stop_tokens``; later slots hold ``pad_token``.
+
+    ``compile`` runs each decode step as one ``torch.compile``-d, static-shape forward over the whole
+    preallocated cache under a mask (HF ``StaticCache`` + compile, gpt-fast). Off by default: the first call
+    for each (batch, prompt width + ``max_new_tokens``) shape compiles, which costs far more than one call's
+    decoding saves (docs/generation.md has the figures); it pays when the same shapes repeat many times on an
+    unsharded model."""
 
     max_new_tokens: int = 32
     greedy: bool = False
@@ -23,6 +29,7 @@ class GenerationConfig:
     top_p: float = 1.0
     stop_tokens: tuple[int, ...] = ()
     pad_token: int = 0
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:

@@ -9,9 +9,16 @@ The cache protocol (the built-in GPT implements it; any model may):
   advances ``cache.length`` by ``L``, and attends from each new token to the real (``attention_mask`` True;
   ``None``: all) tokens not in its future. ``positions`` are per-row token positions: 0 at each row's first real
   prompt token.
+
+With ``GenerationConfig(compile=True)`` the cache must also offer ``make_static()`` (after which ``forward_cached``
+takes ``attention_mask [B, max_len]`` and reads the whole buffers, advancing a device-side position, so every
+decode step has the same shapes and Python state) and each decode step runs through ``torch.compile``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -33,7 +40,30 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
     return ids.to(device), mask.to(device)
 
 
+def _decode_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cache: object,
+                 attention_mask: torch.Tensor | None) -> torch.Tensor:
+    forward = cast(Callable[..., torch.Tensor], model.forward_cached)
+    return forward(tokens, positions, cache, attention_mask)[:, -1]
+
+
+_compiled: list[Callable[..., torch.Tensor]] = []  # the compiled step, built on first use (compiling is lazy)
+
+
+def _compiled_step() -> Callable[..., torch.Tensor]:
+    """``_decode_step`` compiled once per process; dynamo keeps one graph per shape (``dynamic=False``: shapes are
+    static by construction, so nothing is traced symbolically)."""
+    if not _compiled:
+        _compiled.append(torch.compile(_decode_step, fullgraph=True, dynamic=False))
+    return _compiled[0]
+
+
 def _check(model: nn.Module, prompts: list[list[int]], config: GenerationConfig) -> None:
+    if config.compile:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ConfigError("GenerationConfig(compile=True) needs an unsharded model (FSDP2/TP parameters are "
+                              "DTensors); use compile=False for sharded models")
     for name in ("allocate_kv_cache", "forward_cached"):
         if not callable(getattr(model, name, None)):
             raise ConfigError(f"{type(model).__name__} has no {name}(); generation needs a model implementing the "
@@ -75,6 +105,13 @@ def generate(model: nn.Module, prompts: list[list[int]], config: GenerationConfi
             cache = core.allocate_kv_cache(batch, width + steps, None, device)
             positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
             logits = core.forward_cached(ids, positions, cache, prompt_mask if padded else None)[:, -1]
+            step: Callable[..., torch.Tensor] = _decode_step
+            if config.compile:  # the whole buffer under a mask from here on: one graph for every step
+                if not callable(getattr(cache, "make_static", None)):
+                    raise ConfigError(f"{type(cache).__name__} has no make_static(); GenerationConfig(compile=True) "
+                                      "needs a static-shape cache (see crosstrain.generation.engine)")
+                cache.make_static()
+                step = _compiled_step()
             for t in range(steps):
                 nxt = next_tokens(logits, greedy=config.greedy, temperature=config.temperature, top_k=config.top_k,
                                   top_p=config.top_p, generator=generator)
@@ -88,9 +125,9 @@ def generate(model: nn.Module, prompts: list[list[int]], config: GenerationConfi
                     if not bool(alive.any()):  # every row stopped; (a host sync, only with stop tokens)
                         break
                 if t + 1 < steps:
-                    end = width + t + 1
-                    logits = core.forward_cached(nxt.unsqueeze(1), (prompt_lens + t).unsqueeze(1), cache,
-                                                 key_mask[:, :end] if padded else None)[:, -1]
+                    visible = key_mask if config.compile else key_mask[:, :width + t + 1]
+                    logits = step(core, nxt.unsqueeze(1), (prompt_lens + t).unsqueeze(1), cache,
+                                  visible if padded else None)
     tokens, logprobs, mask = tokens[:, :ran], logprobs[:, :ran], mask[:, :ran]
     return GenerationOutput(sequences=torch.cat((ids, tokens), dim=1), prompt_mask=prompt_mask, tokens=tokens,
                             logprobs=logprobs, mask=mask, lengths=mask.sum(1))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from crosstrain import kernels
-from crosstrain.generation.cache import StaticKVCache, cached_attention_mask
+from crosstrain.generation.cache import StaticKVCache
 
 
 @dataclass(frozen=True)
@@ -301,10 +301,11 @@ class GPT(nn.Module):
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                        attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Logits ``[B, L, vocab]`` for ``tokens [B, L]`` at per-row ``positions``, appended to ``cache`` in place;
-        ``attention_mask [B, cache.length + L]`` marks real tokens (False: left padding; None: no padding)."""
+        ``attention_mask [B, cache.length + L]`` marks real tokens (False: left padding; None: no padding); a cache in
+        static mode (:meth:`StaticKVCache.make_static`, the compiled decode step) takes ``[B, cache.max_len]``."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = cached_attention_mask(attention_mask, cache.length, tokens.shape[1])
+        mask = cache.attention_mask(attention_mask, tokens.shape[1])
         for i, block in enumerate(self.blocks()):
             # called directly, not via __call__: wrappers (activation checkpointing, torch.compile, FSDP2 hooks)
             # are for training; crosstrain.generation.sharded unshards FSDP2 modules once for the whole call
