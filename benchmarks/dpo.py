@@ -6,9 +6,15 @@ policy forward, a reference forward under ``no_grad`` on the concatenated chosen
 and step; its step time covers the batch fetch too. crosstrain's is the Trainer's median ``step_time_s``. The
 runs alternate ABBA (``--rounds`` rounds, odd ones in reverse order) so machine noise hits all; medians are
 compared. Last line JSON: ``overhead_ratio`` (crosstrain / plain, frozen reference), ``precomputed_over_frozen``
-(crosstrain step time with ``rlhf.reference = "precomputed"`` / with the frozen copy) and ``recipe_loss_ratio``
+(crosstrain step time with ``rlhf.reference = "precomputed"`` / with the frozen copy; ``_cpu``: the same from
+the main thread's CPU time per step, which load on the machine barely moves) and ``recipe_loss_ratio``
 (the recipe's loss + backward alone vs the plain forwards + loss + backward on one batch, ABBA: the recipe's
 share of the overhead; the rest is the loop's optimizer step, clipping and bookkeeping).
+
+What precomputing can save: the frozen step is policy forward F + backward B + optimizer/bookkeeping O + the
+reference forward R, the precomputed one lacks R; R <= F (no autograd graph) and B ~ 2F (a gradient for the
+input and one for the weight per matmul), so the ratio (F + B + O) / (F + B + O + R) is about 0.75 plus O's
+share. It gets there where matmuls dominate (``small``); on ``tiny`` per-op overhead makes B ~ 3F (about 0.8).
 
     python benchmarks/dpo.py [--preset tiny] [--steps 30] [--batch-size 16] [--rounds 2]
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -36,11 +43,27 @@ def _config(args: argparse.Namespace, *extra: str):  # type: ignore[no-untyped-d
         *extra])
 
 
-def crosstrain_step(args: argparse.Namespace, *extra: str) -> float:
+def crosstrain_step(args: argparse.Namespace, *extra: str) -> tuple[float, float]:
+    """The Trainer's median step time and the median main-thread CPU time per step (the work itself: with one
+    intra-op thread, forward, backward and the optimizer all run on the calling thread, so other processes on the
+    machine barely move it)."""
+    from crosstrain import hookimpl, pluginmanager
     from crosstrain.engine import Trainer
 
-    with tempfile.TemporaryDirectory() as d:
-        return float(Trainer(_config(args, *extra), run_dir=d).fit()["median_step_time_s"])
+    cpu: list[float] = []
+
+    class StepCpuClock:
+        @hookimpl
+        def crosstrain_on_step_end(self, context: object, step: int, metrics: dict[str, float]) -> None:
+            cpu.append(time.thread_time())
+
+    pluginmanager.register(StepCpuClock(), name="dpo-bench-cpu-clock")
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            wall = float(Trainer(_config(args, *extra), run_dir=d).fit()["median_step_time_s"])
+    finally:
+        pluginmanager.unregister("dpo-bench-cpu-clock")
+    return wall, statistics.median(b - a for a, b in zip(cpu[2:], cpu[3:], strict=False))
 
 
 def plain_step(args: argparse.Namespace) -> float:
@@ -124,20 +147,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    runs = {"ours": lambda: crosstrain_step(args), "plain": lambda: plain_step(args),
+    runs = {"ours": lambda: crosstrain_step(args), "plain": lambda: (plain_step(args), float("nan")),
             "pre": lambda: crosstrain_step(args, "rlhf.reference=precomputed")}
     times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.rounds):  # ABBA: odd rounds run in the reverse order
         for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-            times[name].append(runs[name]())
+            wall, thread = runs[name]()
+            times[name].append(wall)
+            cpu[name].append(thread)
     o, p, q = (statistics.median(times[name]) for name in runs)
+    cpu_ratio = statistics.median(cpu["pre"]) / statistics.median(cpu["ours"])
     loss_ratio = recipe_loss_ratio(args)
     print(f"crosstrain dpo step {o * 1e3:.1f} ms, plain PyTorch {p * 1e3:.1f} ms, precomputed reference "
           f"{q * 1e3:.1f} ms ({args.preset}, {args.batch_size} pairs)")
-    print(json.dumps({"overhead_ratio": o / p, "precomputed_over_frozen": q / o, "recipe_loss_ratio": loss_ratio,
+    print(json.dumps({"overhead_ratio": o / p, "precomputed_over_frozen": q / o,
+                      "precomputed_over_frozen_cpu": cpu_ratio, "recipe_loss_ratio": loss_ratio,
                       "crosstrain_step_s": o,
                       "plain_step_s": p, "precomputed_step_s": q, "preset": args.preset,
-                      "batch_size": args.batch_size}))
+                      "batch_size": args.batch_size,
+                      "loadavg": os.getloadavg()}))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ printed as ``rss_growth_shared_bytes``, but memory one run freed and the allocat
 compile time (summary ``compile_s``, 0 when ``parallel.compile=auto`` chose not to compile) is reported for its
 first run on its own. MFU (``100m``) is against the measured one-thread CPU peak (backends/cpu/peak.py) x 2.
 A peer that is not installed (``pip install crosstrain[bench]``) is reported as null.
+``speedup_bound`` is Amdahl's bound on any speedup over the plain loop that keeps the fp32 matmuls (the same
+BLAS calls in every framework): 1 / their share of the plain loop's profiled step (:func:`matmul_share`).
 
     python benchmarks/speed.py [--presets small,100m] [--rounds 2] [--quick]
 
@@ -129,6 +131,42 @@ def _memory_only(collective: Any, name: str, s: dict[str, Any], tmp: str) -> int
     return int(peak.item())
 
 
+#: the ops whose time no framework-level default removes: the fp32 matmuls (same BLAS for every framework) and
+#: attention's fused kernels
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def matmul_share(s: dict[str, Any], steps: int = 2) -> float:
+    """The share of one rank's plain-loop step (forward, backward, clip, AdamW) spent in :data:`MATMUL_OPS`,
+    single process, one thread, under ``torch.profiler``. ``1 / share`` bounds any framework's speedup over the
+    plain loop that leaves the matmuls as they are (Amdahl's law)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from crosstrain.models.gpt import build_gpt
+
+    torch.set_num_threads(1)
+    torch.manual_seed(s["seed"])
+    model = build_gpt(s["preset"], vocab_size=256)
+    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=s["weight_decay"])
+    x = torch.randint(0, 256, (s["batch_size"] // WORLD, s["seq_len"] + 1))
+
+    def step() -> None:
+        logits = model(x[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    ops = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ops)
+    return sum(e.self_cpu_time_total for e in ops if e.key in MATMUL_OPS) / total
+
+
 def _preset(preset: str, names: list[str], rounds: int, warmup: int, quick: bool) -> dict[str, Any]:
     batch, seq, steps = SHAPES[preset]
     if quick:
@@ -148,6 +186,8 @@ def _preset(preset: str, names: list[str], rounds: int, warmup: int, quick: bool
         growth = int(statistics.median(got["peaks"][name]))
         out[name] = {"median_step_s": med, "tokens_per_s": tokens / med, "peak_rss_bytes": memory[name],
                      "rss_growth_shared_bytes": growth, "samples": len(got["times"][name])}
+    out["matmul_share"] = matmul_share(s)
+    out["speedup_bound"] = 1 / out["matmul_share"]
     if preset == "100m":
         from crosstrain.backends.cpu.device import CpuDevice
         from crosstrain.models.gpt import build_gpt
@@ -191,6 +231,8 @@ def main() -> None:
             x = r[name]
             print(f"  {name:<11} {1000 * x['median_step_s']:>15.1f} {x['tokens_per_s']:>10.0f} "
                   f"{x['peak_rss_bytes'] / 2**20:>9.0f} {r['crosstrain']['tokens_per_s'] / x['tokens_per_s']:>8.3f}")
+        print(f"  plain loop's matmul + attention share {r['matmul_share']:.1%}: no default that leaves them as they "
+              f"are can exceed {r['speedup_bound']:.2f}x over it")
         if "mfu" in r:
             print("  MFU: " + ", ".join(f"{n} {v:.1%}" for n, v in r["mfu"].items()))
     for peer, why in missing.items():
@@ -208,6 +250,8 @@ def main() -> None:
                                    for r in results.values()), 4),
         "compile_s_first_run": {p: r["crosstrain_chose"].get("compile_s") for p, r in results.items()},
         "mfu_100m": results["100m"]["mfu"]["crosstrain"] if "100m" in results else None,
+        "matmul_share": {p: round(r["matmul_share"], 4) for p, r in results.items()},
+        "speedup_bound": round(min(r["speedup_bound"] for r in results.values()), 3),
         "presets": {p: {n: {"tokens_per_s": round(r[n]["tokens_per_s"], 1), "peak_rss_bytes": r[n]["peak_rss_bytes"]}
                         for n in names} for p, r in results.items()},
         "missing": missing, "loadavg": load, "quick": args.quick,
