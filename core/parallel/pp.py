@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from crosstrain.errors import ConfigError
 from crosstrain.parallel.plan import find_plan, missing_plan
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+#: the schedules ``parallel.pp_schedule`` names (``torch.distributed.pipelining`` is imported only when a pipeline
+#: is built: it pulls in dynamo, over a second of every worker's start-up otherwise)
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
@@ -52,5 +53,8 @@ def build_schedule(stage_module: nn.Module, stage: int, pp: int, device: torch.d
         raise ConfigError(f"pipeline micro-batches={microbatches} must be >= 1")
     if name == "1f1b" and microbatches < pp:
         raise ConfigError(f"parallel.pp_schedule=1f1b needs at least pp={pp} micro-batches, got {microbatches}")
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    schedule_class = ScheduleGPipe if name == "gpipe" else Schedule1F1B
     pipe_stage = PipelineStage(stage_module, stage, pp, device, group=pp_group)
-    return SCHEDULES[name](pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_class(pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
