@@ -17,6 +17,7 @@ decode step has the same shapes and Python state) and each decode step runs thro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import cast
 
@@ -46,15 +47,11 @@ def _decode_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
     return forward(tokens, positions, cache, attention_mask)[:, -1]
 
 
-_compiled: list[Callable[..., torch.Tensor]] = []  # the compiled step, built on first use (compiling is lazy)
-
-
+@functools.cache
 def _compiled_step() -> Callable[..., torch.Tensor]:
     """``_decode_step`` compiled once per process; dynamo keeps one graph per shape (``dynamic=False``: shapes are
     static by construction, so nothing is traced symbolically)."""
-    if not _compiled:
-        _compiled.append(torch.compile(_decode_step, fullgraph=True, dynamic=False))
-    return _compiled[0]
+    return torch.compile(_decode_step, fullgraph=True, dynamic=False)
 
 
 def _check(model: nn.Module, prompts: list[list[int]], config: GenerationConfig) -> None:
