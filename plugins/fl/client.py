@@ -88,26 +88,12 @@ class FLClient:
             # a protocol stage of a round this client has no part in any more (it was dropped): skip it
 
     def exchange(self, rnd: Round, update: np.ndarray, weight: float, loss: float) -> Round | None:
-        """Hand back ``update`` (local - global) for ``rnd``; returns the next round (None when finished).
-
-        Applies the round's DP settings first: clip to ``dp_clip`` and, in distributed mode, add this client's
-        share of the noise, N(0, (z * C)^2 / n) for n selected clients, so the sum carries std z * C.
-        """
-        meta = rnd.meta
-        update = np.asarray(update, dtype=np.float32)
-        if meta.get("dp_clip", 0) > 0:
-            from crosstrain.plugins.fl.dp import add_gaussian_noise, clip_update
-
-            update, _ = clip_update(update, float(meta["dp_clip"]))
-            weight = 1.0  # the Gaussian mechanism's sensitivity assumes unit weights
-            if meta.get("dp_noise", 0) > 0:
-                std = float(meta["dp_noise"]) * float(meta["dp_clip"]) / np.sqrt(float(meta["selected"]))
-                update = add_gaussian_noise(update, std, self.rng)
-            update = np.asarray(update, dtype=np.float32)
+        """Hand back ``update`` (local - global) for ``rnd``; returns the next round (None when finished)."""
+        update, weight = self.prepare(rnd, np.asarray(update, dtype=np.float32), weight)
         request = {"round": rnd.round, "stage": TRAIN, "stage_seq": rnd.stage_seq}
-        fields = {"weight": float(weight), "loss": float(loss), "norm": float(np.linalg.norm(update))}
+        fields = self.report(rnd, update, weight, loss)
         try:
-            if not meta.get("secure"):
+            if not rnd.meta.get("secure"):
                 self._reply(request, fields, update.tobytes())
             else:
                 self._reply(request, fields)
@@ -117,6 +103,30 @@ class FLClient:
             self.dropped_rounds.append(rnd.round + 1)
             print(f"fl client {self.client_id}: round {rnd.round + 1} not counted: {exc}", flush=True)
         return self.next_round()
+
+    def prepare(self, rnd: Round, update: np.ndarray, weight: float) -> tuple[np.ndarray, float]:
+        """The update and weight to send: clipped to the round's ``clip_norm``, then its DP settings: clip to
+        ``dp_clip`` and, in distributed mode, this client's share of the noise, N(0, (z * C)^2 / n) for n selected
+        clients, so the sum carries std z * C. A non-finite update goes as it is: the server refuses it."""
+        meta = rnd.meta
+        if not np.isfinite(update).all():
+            return update, weight
+        from crosstrain.plugins.fl.dp import add_gaussian_noise, clip_update
+
+        if meta.get("clip_norm", 0) > 0:
+            update, _ = clip_update(update, float(meta["clip_norm"]))
+        if meta.get("dp_clip", 0) > 0:
+            update, _ = clip_update(update, float(meta["dp_clip"]))
+            weight = 1.0  # the Gaussian mechanism's sensitivity assumes unit weights
+            if meta.get("dp_noise", 0) > 0:
+                std = float(meta["dp_noise"]) * float(meta["dp_clip"]) / np.sqrt(float(meta["selected"]))
+                update = add_gaussian_noise(update, std, self.rng)
+        return np.asarray(update, dtype=np.float32), weight
+
+    def report(self, rnd: Round, update: np.ndarray, weight: float, loss: float) -> dict[str, Any]:
+        """The scalars the ``train`` reply carries: the server plans SecAgg+ from ``norm`` and bounds the
+        aggregate by it (:func:`.robust.secure_mean_bound`)."""
+        return {"weight": float(weight), "loss": float(loss), "norm": float(np.linalg.norm(update))}
 
     def _secure(self, rnd: Round, update: np.ndarray, weight: float) -> None:
         from crosstrain.plugins.fl.secagg import STAGES, ClientSession, SecAggParams

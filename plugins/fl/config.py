@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def trimmed_count(n: int, fraction: float) -> int:
+    """Updates a trimmed mean drops at each end of a coordinate: ``floor(fraction * n)`` (Yin et al. 2018)."""
+    return math.floor(fraction * n + 1e-9)  # 1e-9: 0.25 * 4 is 1 even where the product rounds below it
 
 
 class FLSection(BaseModel):
@@ -36,6 +42,24 @@ class FLSection(BaseModel):
                                                        'the noise to the sum; "distributed": each client adds its '
                                                        "share before masking")
     dp_delta: float = Field(default=1e-5, gt=0, lt=1, description="delta of the reported (epsilon, delta)")
+    clip_norm: float = Field(default=0.0, ge=0, description="norm bound: each client clips its update to this L2 "
+                             "norm before sending or masking it; the server refuses a larger one (0 = off)")
+    max_norm_ratio: float = Field(default=10.0, ge=0, description="refuse an update whose L2 norm is above this "
+                                  "many times the median of the round's update norms (3 or more updates; 0 = off)")
+    aggregation: Literal["mean", "median", "trimmed_mean"] = Field(
+        default="mean", description='plain mode: "mean" (weighted FedAvg), or the coordinate-wise "median" or '
+        '"trimmed_mean" of the updates (Yin et al. 2018), which a few outlying clients cannot drag away')
+    trim_fraction: float = Field(default=0.1, ge=0, lt=0.5, description="trimmed_mean: the fraction of the "
+                                 "updates dropped at each end of every coordinate")
+
+    @field_validator("address")
+    @classmethod
+    def _port_in_range(cls, value: str) -> str:
+        port = int(value.rsplit(":", 1)[1])
+        if port > 65535:
+            raise ValueError(f"fl.address={value!r}: port {port} is beyond 65535; pick a port in 1..65535 (0: any "
+                             "free port, server only)")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> FLSection:
@@ -46,6 +70,23 @@ class FLSection(BaseModel):
                              "fl.secure=false or add clients")
         if self.dp_noise > 0 and self.dp_clip == 0:
             raise ValueError("fl.dp_noise > 0 needs fl.dp_clip > 0 (the noise is scaled to the clipping norm)")
+        self._robust_consistent()
+        return self
+
+    def _robust_consistent(self) -> None:
+        if self.aggregation != "mean" and self.secure:
+            raise ValueError(f"fl.aggregation={self.aggregation!r} needs each update, which SecAgg+ hides; set "
+                             "fl.secure=false or fl.aggregation='mean'")
+        if self.aggregation != "mean" and self.dp_noise > 0:
+            raise ValueError(f"fl.aggregation={self.aggregation!r}: the DP noise is calibrated for the mean; set "
+                             "fl.aggregation='mean' or fl.dp_noise=0")
+        if self.aggregation == "trimmed_mean" and trimmed_count(self.clients, self.trim_fraction) < 1:
+            raise ValueError(f"fl.trim_fraction={self.trim_fraction:g} trims none of fl.clients={self.clients} "
+                             f"updates per coordinate; raise it to at least {math.ceil(1e3 / self.clients) / 1e3:g} "
+                             "or use 'median'")
+        if self.clip_norm > 0 and self.dp_noise > 0 and self.dp_mode == "distributed":
+            raise ValueError("fl.clip_norm with fl.dp_mode='distributed': each client's noise lifts its update "
+                             "above the bound the server checks; bound it with fl.dp_clip or use dp_mode='central'")
         return self
 
     @property

@@ -21,6 +21,11 @@ from crosstrain.plugins.fl.framing import TransportError
 POLL_S = 10.0
 
 
+class Refused(TransportError):
+    """A well-formed reply whose content the round refuses (e.g. a non-finite update): counted like a rejected
+    frame, and the client is out of the stage, so the stage need not wait for it to the deadline."""
+
+
 @dataclass
 class Stage:
     round: int
@@ -30,6 +35,7 @@ class Stage:
     meta: dict[str, Any]
     validate: Callable[[int, dict[str, Any], bytes], None] | None
     replies: dict[int, tuple[dict[str, Any], bytes]] = field(default_factory=dict)
+    refused: set[int] = field(default_factory=set)
 
 
 class Coordinator:
@@ -61,7 +67,7 @@ class Coordinator:
         with self._cond:
             stage = self._stage
             assert stage is not None
-            while len(stage.replies) < len(stage.requests):
+            while len(stage.replies) + len(stage.refused) < len(stage.requests):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -74,6 +80,11 @@ class Coordinator:
         now = time.monotonic()
         with self._cond:
             return sorted(c for c, t in self.seen.items() if now - t <= within_s)
+
+    def count_refused(self, count: int) -> None:
+        """Count ``count`` replies the round refused after accepting them (e.g. an outlying update norm)."""
+        with self._cond:
+            self.rejected += count
 
     def wait_for_clients(self, count: int, timeout_s: float, within_s: float = 2 * POLL_S) -> list[int]:
         deadline = time.monotonic() + timeout_s
@@ -132,8 +143,11 @@ class Coordinator:
                 assert stage is not None
                 if stage.validate is not None:
                     stage.validate(client, header, payload)
-            except Exception:
+            except Exception as exc:
                 self.rejected += 1
+                if isinstance(exc, Refused) and self._stage is not None:
+                    self._stage.refused.add(client)
+                    self._cond.notify_all()
                 raise
             self._last_seq[client] = int(header["seq"])
             stage.replies[client] = (header, payload)
@@ -154,5 +168,5 @@ class Coordinator:
                                  f"{(stage.round, stage.name, stage.seq)} is open")
         if client not in stage.requests:
             raise TransportError(f"client {client} is not part of round {stage.round} stage {stage.name!r}")
-        if client in stage.replies:
+        if client in stage.replies or client in stage.refused:
             raise TransportError(f"client {client} already replied to round {stage.round} stage {stage.name!r}")

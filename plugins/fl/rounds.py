@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from crosstrain.plugins.fl.config import FLSection
-from crosstrain.plugins.fl.coordinator import Coordinator
+from crosstrain.plugins.fl.coordinator import Coordinator, Refused
 from crosstrain.plugins.fl.framing import TransportError
+from crosstrain.plugins.fl.robust import aggregate, norm_outliers, secure_problem, update_problem
 
 TRAIN = "train"
 
@@ -36,6 +37,7 @@ class RoundOutcome:
     total_weight: float
     stats: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    refused: dict[int, str] = field(default_factory=dict)  # clients whose update the server refused, and why
 
 
 def _number(header: dict[str, Any], key: str, positive: bool = False) -> float:
@@ -45,15 +47,28 @@ def _number(header: dict[str, Any], key: str, positive: bool = False) -> float:
     return float(value)
 
 
-def _train_validator(dim: int, secure: bool) -> Any:
+def _train_validator(dim: int, fl: FLSection, refused: dict[int, str]) -> Any:
+    """Checks a ``train`` reply: its form (a TransportError, as for a tampered frame), then its content
+    (:func:`.robust.update_problem`: a :class:`.coordinator.Refused`, recorded in ``refused``)."""
     def validate(client: int, header: dict[str, Any], payload: bytes) -> None:
         _number(header, "weight", positive=True)
         _number(header, "loss")
-        want = 0 if secure else 4 * dim
+        want = 0 if fl.secure else 4 * dim
         if len(payload) != want:
             raise TransportError(f"client {client}: update of {len(payload)} bytes, expected {want} "
-                                 f"({'none in secure mode' if secure else f'{dim} float32'})")
+                                 f"({'none in secure mode' if fl.secure else f'{dim} float32'})")
+        problem = update_problem(fl, header, None if fl.secure else np.frombuffer(payload, dtype=np.float32))
+        if problem is not None:
+            refused[client] = problem
+            raise Refused(f"client {client}: {problem}; the update is refused")
     return validate
+
+
+def _norm(header: dict[str, Any], payload: bytes, secure: bool) -> float:
+    """A validated reply's update norm: the one the client reports (secure mode), else the update's own."""
+    if secure:
+        return float(header["norm"])
+    return float(np.linalg.norm(np.frombuffer(payload, dtype=np.float32).astype(np.float64)))
 
 
 def _weighted_loss(replies: dict[int, tuple[dict[str, Any], bytes]], ids: list[int]) -> float:
@@ -68,26 +83,34 @@ def run_round(coordinator: Coordinator, fl: FLSection, round_id: int, global_vec
     dim = int(global_vec.shape[0])
     meta = {"secure": fl.secure, "local_steps": fl.local_steps, "dim": dim, "fedprox_mu": fl.fedprox_mu,
             "dp_clip": fl.dp_clip, "dp_noise": fl.dp_noise if fl.dp_mode == "distributed" else 0.0,
-            "selected": len(participants)}
+            "selected": len(participants), "clip_norm": fl.clip_norm}
     started = time.perf_counter()
+    refused: dict[int, str] = {}
     coordinator.open_stage(round_id, TRAIN, {c: global_vec.astype(np.float32).tobytes() for c in participants},
-                           meta, _train_validator(dim, fl.secure))
+                           meta, _train_validator(dim, fl, refused))
     replies = coordinator.wait(fl.stage_timeout_s)
+    outliers = norm_outliers({c: _norm(header, payload, fl.secure) for c, (header, payload) in replies.items()},
+                             fl.max_norm_ratio)
+    for client, why in outliers.items():  # refused like an update that fails the validator, only later
+        refused[client] = why
+        del replies[client]
+    coordinator.count_refused(len(outliers))
     trained = sorted(replies)
     stats: dict[str, Any] = {"train_s": time.perf_counter() - started}
     if len(trained) < fl.min_clients:
         return RoundOutcome(round_id, None, trained, sorted(set(participants) - set(trained)), float("nan"), 0.0,
                             stats, f"{len(trained)} of {len(participants)} clients finished training, "
-                            f"fl.min_clients={fl.min_clients}")
+                            f"fl.min_clients={fl.min_clients}", refused)
     agg_start = time.perf_counter()
     if fl.secure:
         outcome = _secure(coordinator, fl, round_id, replies, trained, dim)
     else:
         weights = np.array([float(replies[c][0]["weight"]) for c in trained])
         updates = np.stack([np.frombuffer(replies[c][1], dtype=np.float32) for c in trained])
-        mean = (weights[:, None] * updates).sum(0) / weights.sum()
-        outcome = RoundOutcome(round_id, mean.astype(np.float32), trained, [], 0.0, float(weights.sum()),
-                               {"clipped": 0, "overflowed": 0})
+        mean, robust_stats = aggregate(fl, updates, weights)
+        outcome = RoundOutcome(round_id, mean, trained, [], 0.0, float(weights.sum()),
+                               {"clipped": 0, "overflowed": 0, **robust_stats})
+    outcome.refused = refused
     outcome.dropped = sorted(set(participants) - set(outcome.survivors))
     outcome.loss = _weighted_loss(replies, outcome.survivors)
     outcome.stats.update(stats)
@@ -132,5 +155,12 @@ def _secure(coordinator: Coordinator, fl: FLSection, round_id: int,
     except SecAggAbort as exc:
         return RoundOutcome(round_id, None, [], [], float("nan"), 0.0, stats, f"secure aggregation aborted: {exc}")
     stats.update(result.stats)
+    survivors = sorted(result.survivors)
+    problem = secure_problem(np.asarray(result.mean), [_number(replies[c][0], "norm") for c in survivors],
+                             [weights[c] for c in survivors], result.stats, 2 * params.clip / params.levels,
+                             float(result.total_weight))
+    if problem is not None:  # one of the survivors lied: the round must not touch the global model
+        return RoundOutcome(round_id, None, survivors, sorted(result.dropped), 0.0, 0.0, stats,
+                            f"secure aggregate refused: {problem}")
     return RoundOutcome(round_id, np.asarray(result.mean, dtype=np.float32), sorted(result.survivors),
                         sorted(result.dropped), 0.0, float(result.total_weight), stats)

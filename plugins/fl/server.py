@@ -105,7 +105,11 @@ class FLServer:
         t0 = time.perf_counter()
         outcome = run_round(self.coordinator, fl, round_id, self.global_vec, joined[:fl.clients], self.rng)
         if outcome.mean is not None:
-            self.global_vec = (self.global_vec + fl.server_lr * outcome.mean).astype(np.float32)
+            candidate = (self.global_vec + fl.server_lr * outcome.mean).astype(np.float32)
+            if np.isfinite(candidate).all():
+                self.global_vec = candidate
+            else:  # e.g. finite float32 updates whose sum overflows: never save a model that cannot be used
+                outcome.error, outcome.mean = "the updated global model would have non-finite values", None
         self.clients_seen |= set(outcome.survivors) | set(outcome.dropped)
         self.dropped |= set(outcome.dropped)
         stats = {k: v for k, v in outcome.stats.items() if isinstance(v, (int, float, str))}
@@ -113,12 +117,14 @@ class FLServer:
                   "survivors": outcome.survivors, "dropped": outcome.dropped, "loss": _finite(outcome.loss),
                   "secure": fl.secure, "round_s": time.perf_counter() - t0,
                   "update_norm": None if outcome.mean is None else float(np.linalg.norm(outcome.mean)),
-                  "aborted": outcome.error or None, "epsilon": epsilon(fl, round_id + 1)}
+                  "aborted": outcome.error or None, "epsilon": epsilon(fl, round_id + 1),
+                  "refused": {str(c): why for c, why in sorted(outcome.refused.items())}}
         self.history.append(record)
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
         print(f"fl round {round_id + 1}/{fl.rounds}: " + (f"loss {outcome.loss:.4f}, {len(outcome.survivors)} "
-              f"clients, dropped {outcome.dropped}" if outcome.mean is not None else f"failed: {outcome.error}"),
+              f"clients, dropped {outcome.dropped}" if outcome.mean is not None else f"failed: {outcome.error}")
+              + (f" (refused: {outcome.refused})" if outcome.refused else ""),
               flush=True)
         self.completed = round_id + 1
         save_round(self.run_dir / "global", self.layout, self.global_vec, self.completed,
@@ -130,8 +136,9 @@ class FLServer:
         return {"rounds": self.completed, "resumed_from_round": self.resumed_from, "clients": len(self.clients_seen),
                 "secure": self.fl.secure, "final_loss": done[-1]["loss"] if done else None,
                 "initial_loss": done[0]["loss"] if done else None,
-                "dropped_clients": sorted(self.dropped), "failed_rounds": [h["round"] for h in self.history
-                                                                           if h["aborted"] is not None],
+                "dropped_clients": sorted(self.dropped),
+                "refused_updates": sum(len(h.get("refused", {})) for h in self.history),
+                "failed_rounds": [h["round"] for h in self.history if h["aborted"] is not None],
                 "epsilon": epsilon(self.fl, self.completed), "delta": self.fl.dp_delta if self.fl.dp_noise else None,
                 "global_model": str(self.run_dir / "global"), "params": self.layout.dim, "wall_s": wall_s,
                 "rejected_messages": self.coordinator.rejected}

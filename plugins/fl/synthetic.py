@@ -20,9 +20,10 @@ def update(seed: int, client: int, round_id: int, dim: int, scale: float = 0.01)
     return (np.random.default_rng([seed, client, round_id]).standard_normal(dim) * scale).astype(np.float32)
 
 
-def participate(channel: Channel, seed: int, join_timeout_s: float = 60.0) -> int:
+def participate(channel: Channel, seed: int, join_timeout_s: float = 60.0,
+                client_type: type[FLClient] = FLClient) -> int:
     """Answer every round until the server is done; returns the number of rounds taken part in."""
-    client = FLClient(channel, join_timeout_s)
+    client = client_type(channel, join_timeout_s)
     rnd = client.next_round()
     rounds = 0
     while rnd is not None:
