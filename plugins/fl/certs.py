@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -30,12 +31,13 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _issue(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, issuer_key: ec.EllipticCurvePrivateKey,
-           *, ca: bool = False, server: bool = False) -> x509.Certificate:
+           *, ca: bool = False, server: bool = False,
+           valid: tuple[datetime.datetime, datetime.datetime] | None = None) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = valid or (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS))
     builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+               .not_valid_before(start).not_valid_after(end)
                .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
     if ca:
         builder = builder.add_extension(x509.KeyUsage(
@@ -99,7 +101,36 @@ def load(folder: str | os.PathLike[str], stem: str) -> Identity:
             raise ConfigError(f"{path} does not exist; create the certificates with `crosstrain fl certs {out} "
                               "--clients N` and set fl.certs to that folder")
     ca, cert, key = (p.read_bytes() for p in paths)
-    return Identity(ca, cert, key)
+    identity = Identity(ca, cert, key)
+    check(identity, paths[1])
+    return identity
+
+
+def check(identity: Identity, where: Path) -> None:
+    """ConfigError in one line unless ``identity``'s certificate is signed by its CA, valid now and matches its key:
+    the TLS handshake would fail on any of these with only an opaque ``UNAVAILABLE`` to show for it."""
+    try:
+        ca = x509.load_pem_x509_certificate(identity.ca)
+        cert = x509.load_pem_x509_certificate(identity.cert)
+        key = serialization.load_pem_private_key(identity.key, password=None)
+    except ValueError as exc:
+        raise ConfigError(f"{where.parent}: a certificate or key there is not PEM ({exc}); recreate it with "
+                          "`crosstrain fl certs`") from None
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise ConfigError(f"{where} is not signed by {where.parent / 'ca.crt'} (another CA issued it); use the "
+                          "certificate the run's CA issued for this client, or that CA's ca.crt") from None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    if now < start:
+        raise ConfigError(f"{where} is not valid yet (from {start:%Y-%m-%d %H:%M} UTC; now {now:%Y-%m-%d %H:%M}); "
+                          "check this machine's clock or issue a new certificate")
+    if now > end:
+        raise ConfigError(f"{where} expired on {end:%Y-%m-%d %H:%M} UTC; issue a new one with `crosstrain fl certs`")
+    if key.public_key().public_numbers() != cert.public_key().public_numbers():  # type: ignore[union-attr]
+        raise ConfigError(f"{where} does not match its key {where.with_suffix('.key')}; pass the pair issued "
+                          "together")
 
 
 def client_id(common_name: str) -> int | None:

@@ -6,6 +6,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ def _with_extra(command: Any) -> Any:
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
         check_extra()
+        # gRPC's core logs to stderr on its own (a failed bind, every refused TLS handshake) ahead of our one-line
+        # errors; it reads this before it is first imported. GRPC_VERBOSITY=ERROR (or DEBUG) brings it back.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
         return int(command(args))
 
     return run
@@ -67,12 +71,13 @@ def run_server(args: argparse.Namespace) -> int:
     from crosstrain.checkpoint.manifest import atomic_write
     from crosstrain.plugins.fl.certs import load
     from crosstrain.plugins.fl.coordinator import Coordinator
-    from crosstrain.plugins.fl.grpc_transport import serve
+    from crosstrain.plugins.fl.grpc_transport import check_free, serve
     from crosstrain.plugins.fl.server import FLServer, fl_section
 
     config = _config(args)
     fl = fl_section(config)
     identity = load(_certs_dir(fl), "server")
+    check_free(fl.address)  # a busy port is refused before the model is built or anything is written
     run_dir = _run_dir(args, config)
     coordinator = Coordinator()
     server = FLServer(config, run_dir, coordinator)  # validates and resumes before anything listens
@@ -120,11 +125,14 @@ def run_client(args: argparse.Namespace) -> int:
 def run_simulate(args: argparse.Namespace) -> int:
     from crosstrain.plugins.fl.simulate import simulate
 
-    config = _config(args, [f"fl.clients={args.clients}"] if args.clients else [])
+    if args.clients is not None and args.clients < 1:
+        raise ConfigError(f"--clients {args.clients}: a federation needs at least one client; pass --clients N >= 1 "
+                          "(or leave it out for fl.clients)")
+    clients = [] if args.clients is None else [f"fl.clients={args.clients}"]
+    config = _config(args, clients)
     run_dir = _run_dir(args, config)
     started = time.perf_counter()
-    summary = simulate(args.config, [*(args.set or []), *([f"fl.clients={args.clients}"] if args.clients else [])],
-                       config, run_dir)
+    summary = simulate(args.config, [*(args.set or []), *clients], config, run_dir)
     print(json.dumps({k: summary.get(k) for k in ("rounds", "clients", "secure", "final_loss", "dropped_clients")}
                      | {"wall_s": round(time.perf_counter() - started, 1), "run_dir": str(run_dir)}))
     return 0 if summary.get("ok") else 1

@@ -8,6 +8,7 @@ header naming another client is refused.
 
 from __future__ import annotations
 
+import socket
 from concurrent import futures
 from typing import Any
 
@@ -26,6 +27,8 @@ class Unreachable(TransportError):
 
 MAX_MESSAGE = 512 * 1024 * 1024
 _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+# gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and take half the clients
+_SERVER_OPTIONS = [*_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def _peer_client(context: grpc.ServicerContext) -> int:
@@ -74,7 +77,8 @@ def serve(coordinator: Coordinator, identity: Identity, address: str, max_client
         "Reply": grpc.unary_unary_rpc_method_handler(service.reply),
     })
     # every waiting long-poll holds a worker thread
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * max_clients + 8), options=_OPTIONS)
+    check_free(address)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * max_clients + 8), options=_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
     creds = grpc.ssl_server_credentials([(identity.key, identity.cert)], root_certificates=identity.ca,
                                         require_client_auth=True)
@@ -86,6 +90,27 @@ def serve(coordinator: Coordinator, identity: Identity, address: str, max_client
         raise TransportError(f"cannot listen on {address}; pick a free port in fl.address")
     server.start()
     return server, port
+
+
+def check_free(address: str) -> None:
+    """TransportError in one line if nothing may listen on ``address`` (busy port, unknown host): checked with a
+    plain socket first, because gRPC's own bind failure comes after a line of its core's log."""
+    host, port = address.rsplit(":", 1)
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise TransportError(f"fl.address={address!r}: cannot resolve host {host!r} ({exc.strerror}); set "
+                             "fl.address to HOST:PORT of this machine") from None
+    family, kind, proto, _, where = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # SO_REUSEADDR as gRPC sets it (a port left in TIME_WAIT by a stopped server is free), no SO_REUSEPORT:
+        # the bind fails while another server listens there
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(where)
+        except OSError as exc:
+            raise TransportError(f"cannot listen on {address}: {exc.strerror}; stop the other server or pick a "
+                                 "free port in fl.address (port 0: any free port)") from None
 
 
 class GrpcChannel:
