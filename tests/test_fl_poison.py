@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 
 from crosstrain.config import load_config
 from crosstrain.plugins.fl import certs
+from crosstrain.plugins.fl.client import FLClient, Round
 from crosstrain.plugins.fl.config import FLSection
 from crosstrain.plugins.fl.coordinator import Coordinator
 from crosstrain.plugins.fl.grpc_transport import serve
@@ -138,4 +139,9 @@ def test_robust_aggregates_and_the_secure_bound_closed_form():
     assert "reported update norm -1" in update_problem(bounded, {"norm": -1}, None)
     assert norm_outliers({0: 1.0, 1: 2.0, 7: 21.0}, 10.0).keys() == {7}  # median 2: 21 > 20
     assert norm_outliers({0: 1.0, 1: 2.0, 7: 20.0}, 10.0) == {} and norm_outliers({0: 1.0, 7: 1e9}, 10.0) == {}
+    honest = FLClient(None)  # type: ignore[arg-type]  # prepare() is the client's own step, before any channel
+    clipped, weight = honest.prepare(Round(0, 1, np.zeros(2, np.float32), {"clip_norm": 1.0}),
+                                     np.array([3.0, 4.0], np.float32), 2.0)
+    np.testing.assert_allclose(clipped, [0.6, 0.8], rtol=1e-6)
+    assert weight == 2.0  # norm bounding keeps the FedAvg weight (DP clipping sets it to 1)
     assert secure_mean_bound([1.0, 3.0], 2, 1e-3, 400, 4.0) == pytest.approx(3.0 + 2 * 1e-3 * 20 / 4.0)

@@ -87,7 +87,6 @@ class FLSection(BaseModel):
         if self.clip_norm > 0 and self.dp_noise > 0 and self.dp_mode == "distributed":
             raise ValueError("fl.clip_norm with fl.dp_mode='distributed': each client's noise lifts its update "
                              "above the bound the server checks; bound it with fl.dp_clip or use dp_mode='central'")
-        return self
 
     @property
     def host_port(self) -> tuple[str, int]:
