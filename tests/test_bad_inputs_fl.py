@@ -121,3 +121,15 @@ def test_second_server_on_a_busy_port(pki, tmp_path):
     assert run.returncode != 0 and len(lines) == 1 and run.stdout == "", run
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("address, expect", [
+    ("192.0.2.7:5000", "Cannot assign requested address; fl.address must name this machine"),  # TEST-NET-1
+    ("no-such-host.invalid:5000", "cannot resolve host 'no-such-host.invalid'"),
+])
+def test_server_address_not_of_this_machine(pki, tmp_path, capsys, monkeypatch, address, expect):
+    ours, _ = pki
+    code, line = one_line_error(["fl", "server", "--set", f"fl.certs={ours}", "--set", f"fl.address={address}",
+                                 "--run-dir", str(tmp_path / "run")], capsys, monkeypatch)
+    assert code != 0 and expect in line, line
+    assert not (tmp_path / "run").exists()

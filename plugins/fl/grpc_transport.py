@@ -8,6 +8,7 @@ header naming another client is refused.
 
 from __future__ import annotations
 
+import errno
 import socket
 from concurrent import futures
 from typing import Any
@@ -109,8 +110,9 @@ def check_free(address: str) -> None:
         try:
             probe.bind(where)
         except OSError as exc:
-            raise TransportError(f"cannot listen on {address}: {exc.strerror}; stop the other server or pick a "
-                                 "free port in fl.address (port 0: any free port)") from None
+            fix = ("stop the other server or pick a free port in fl.address (port 0: any free port)"
+                   if exc.errno == errno.EADDRINUSE else "fl.address must name this machine (e.g. 0.0.0.0:PORT)")
+            raise TransportError(f"cannot listen on {address}: {exc.strerror}; {fix}") from None
 
 
 class GrpcChannel:
