@@ -148,16 +148,40 @@ def test_generate_cli_both_engines(exported: dict, capsys: pytest.CaptureFixture
     assert len(outs["torch"]["new_ids"]) == 64 and outs["torch"]["text"]
 
 
+#: the int8 model's max abs logit error on text that this test accepts: 5x the 0.045 measured on an AVX2 host. The
+#: error comes from int8's per-tensor rounding (weights: max|W|/127 steps; activations per call), which every
+#: kernel performs alike; instruction sets differ only in how they accumulate, well inside this bound.
+INT8_TEXT_BOUND = 0.25
+
+
 def test_int8_model_is_smaller_and_reports_its_own_parity(exported: dict) -> None:
+    """What int8 kernels compute depends on the instruction set (VNNI, AVX2's saturating u8 x s8 pairs, AVX-512),
+    so near-ties between logits may flip from host to host (a greedy token count did): assert what the rounding
+    error bounds instead. Wherever torch's top-1 leads its runner-up by more than twice the bound, no error within
+    it can change the choice, so int8 must agree there, and its greedy text must follow torch's up to torch's first
+    step that such an error could flip."""
     from crosstrain.plugins.export.generate import OrtEngine, TorchEngine, generate
+    from crosstrain.plugins.export.onnx_export import DEFAULT_INT8_TOLERANCE
     from crosstrain.plugins.export.parity import check_parity
 
     assert exported["int8"].stat().st_size < 0.7 * exported["onnx"].stat().st_size
     report = check_parity(exported["model"], exported["int8"], tolerance=1e-4, raise_on_fail=False, label="int8")
-    assert not report.passed and 1e-4 < report.max_abs_err < 1.0  # lossy, but close
-    ids_q = generate(OrtEngine(exported["int8"]), list(b"the quick b"), 16)[0]
-    ids_t = generate(TorchEngine(exported["model"]), list(b"the quick b"), 16)[0]
-    assert sum(a == b for a, b in zip(ids_q, ids_t, strict=True)) >= 8
+    assert not report.passed and 1e-4 < report.max_abs_err < DEFAULT_INT8_TOLERANCE  # lossy, but accepted
+    torch_engine, int8_engine = TorchEngine(exported["model"]), OrtEngine(exported["int8"])
+    prompt, new = list(b"the quick b"), 16
+    ids_t = generate(torch_engine, prompt, new)[0]
+    ids_q = generate(int8_engine, prompt, new)[0]
+    # teacher-forced on torch's greedy text: the logits behind each of its choices, on both engines
+    seq = np.array([prompt + ids_t[:-1]], dtype=np.int64)
+    f = torch_engine.forward(seq, torch_engine.empty_cache(1))[0][0, -new:]
+    q = int8_engine.forward(seq, int8_engine.empty_cache(1))[0][0, -new:]
+    assert float(np.abs(q - f).max()) <= INT8_TEXT_BOUND
+    top2 = np.sort(f, axis=-1)[:, -2:]
+    decisive = top2[:, 1] - top2[:, 0] > 2 * INT8_TEXT_BOUND
+    assert decisive.sum() >= 8  # torch's fp32 margins, the same on every host: the check below is not vacuous
+    assert (q.argmax(-1) == f.argmax(-1))[decisive].all()
+    agree = int(np.argmin(decisive)) if not decisive.all() else new
+    assert ids_q[:agree] == ids_t[:agree], (agree, ids_q, ids_t)
 
 
 def test_safetensors_export_roundtrip(exported: dict, tmp_path: Path) -> None:
