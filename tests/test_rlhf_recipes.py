@@ -72,7 +72,7 @@ def sft_run(tmp_path_factory) -> Path:
     return run
 
 
-def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_path) -> None:
+def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_path, capsys) -> None:
     init = (f"model.init_from={sft_run}", "optim.name=sgd")  # SGD: weights move linearly with the gradients
     one = _train("dpo", tmp_path / "one", *init)
     assert one["init_from"]["source"].endswith("step_8") and one["init_from"]["format"] == "crosstrain"
@@ -87,6 +87,10 @@ def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_
     assert "perplexity" not in one["eval_before"] and "perplexity" not in one["eval_after"]
     assert not any("eval/perplexity" in m for m in _metrics(tmp_path / "one"))
     _check_mfu_counts_the_frozen_reference(one)
+    capsys.readouterr()
+    assert crosstrain_main(["eval", str(tmp_path / "one")]) == 0
+    printed = capsys.readouterr().out
+    assert "loss" in printed and "perplexity" not in printed, printed
 
     pre = _train("dpo", tmp_path / "pre", *init, "rlhf.reference=precomputed")
     assert "models" not in pre and len(pre["reference_logps_sha256"]) == 64
