@@ -98,6 +98,7 @@ def test_crosstrain_eval_matches_the_run_under_every_layout(tmp_path, capsys) ->
     one = capsys.readouterr()
     result = json.loads(one.out.strip().splitlines()[-1])
     assert result["step"] == 6 and abs(result["loss"] - summary["eval_loss"]) <= 1e-6
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))  # lm's loss is a token NLL
     # the CLI's --nproc launch once; every other layout through the same function on the shared 2 ranks
     proc = _cli("eval", str(run), "--json", "--nproc", "2", "--set", "parallel.dp_shard=2")
     assert proc.returncode == 0, proc.stderr[-2000:]

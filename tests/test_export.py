@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -111,15 +112,18 @@ def test_parity_prefill_and_decode_within_fp32_tolerance(exported: dict) -> None
         check_parity(other, exported["onnx"], tolerance=1e-4)
 
 
-def test_greedy_64_tokens_identical_onnxruntime_vs_torch(exported: dict) -> None:
+def test_greedy_64_tokens_onnxruntime_follow_torch(exported: dict) -> None:
+    """fp32 onnxruntime decodes as torch does, except where a logit error within 10x the export's parity tolerance
+    could flip a near-tie (which way those fall depends on the host's FMA order)."""
     from crosstrain.plugins.export.generate import OrtEngine, TorchEngine, encode, generate
+    from crosstrain.plugins.export.onnx_export import DEFAULT_TOLERANCE
 
     ort_engine = OrtEngine(exported["onnx"], threads=1)
     torch_engine = TorchEngine(exported["model"])
     prompts = [encode(ort_engine.tokenizer, p) for p in ("the quick b", "pack my box")]
-    ort_tokens = generate(ort_engine, prompts, 64)
-    torch_tokens = generate(torch_engine, prompts, 64)
-    assert ort_tokens == torch_tokens
+    for prompt in prompts:
+        assert_greedy_follows_torch(torch_engine, ort_engine, prompt, 64, 10 * DEFAULT_TOLERANCE)
+    ort_tokens = generate(ort_engine, prompts, 64)  # batched prompts
     assert all(len(t) == 64 for t in ort_tokens)
     assert len(set(ort_tokens[0])) > 1
 
@@ -148,16 +152,48 @@ def test_generate_cli_both_engines(exported: dict, capsys: pytest.CaptureFixture
     assert len(outs["torch"]["new_ids"]) == 64 and outs["torch"]["text"]
 
 
+def assert_greedy_follows_torch(torch_engine: Any, engine: Any, prompt: list[int], new: int, bound: float) -> None:
+    """``engine``'s greedy text follows torch's wherever an error within ``bound`` cannot change it.
+
+    Teacher-forced on torch's greedy continuation, ``engine``'s logits must be within ``bound`` of torch's; where
+    torch's top-1 leads its runner-up by more than twice the bound no such error can flip the choice, so the
+    top-1s agree there, and ``engine``'s own greedy text equals torch's up to torch's first step that an error
+    within the bound could flip. Near-ties are left out: which way they fall depends on the host's kernels
+    (FMA order, VNNI or AVX2 int8 accumulation), not on the export."""
+    from crosstrain.plugins.export.generate import generate
+
+    ids_t = generate(torch_engine, prompt, new)[0]
+    ids_e = generate(engine, prompt, new)[0]
+    seq = np.array([prompt + ids_t[:-1]], dtype=np.int64)
+    f = torch_engine.forward(seq, torch_engine.empty_cache(1))[0][0, -new:]
+    q = engine.forward(seq, engine.empty_cache(1))[0][0, -new:]
+    assert float(np.abs(q - f).max()) <= bound
+    top2 = np.sort(f, axis=-1)[:, -2:]
+    decisive = top2[:, 1] - top2[:, 0] > 2 * bound
+    assert decisive.sum() >= new // 2  # torch's fp32 margins, the same on every host: the checks are not vacuous
+    assert (q.argmax(-1) == f.argmax(-1))[decisive].all()
+    agree = int(np.argmin(decisive)) if not decisive.all() else new
+    assert ids_e[:agree] == ids_t[:agree], (agree, ids_e, ids_t)
+
+
+#: the int8 model's max abs logit error on text that this test accepts: 5x the 0.045 measured on an AVX2 host. The
+#: error comes from int8's per-tensor rounding (weights: max|W|/127 steps; activations per call), which every
+#: kernel performs alike; instruction sets differ only in how they accumulate, well inside this bound.
+INT8_TEXT_BOUND = 0.25
+
+
 def test_int8_model_is_smaller_and_reports_its_own_parity(exported: dict) -> None:
-    from crosstrain.plugins.export.generate import OrtEngine, TorchEngine, generate
+    """int8 greedy decoding agrees with torch wherever the rounding error cannot flip it (a greedy token count,
+    asserted before, depended on how near-ties fell on the host's int8 kernels)."""
+    from crosstrain.plugins.export.generate import OrtEngine, TorchEngine
+    from crosstrain.plugins.export.onnx_export import DEFAULT_INT8_TOLERANCE
     from crosstrain.plugins.export.parity import check_parity
 
     assert exported["int8"].stat().st_size < 0.7 * exported["onnx"].stat().st_size
     report = check_parity(exported["model"], exported["int8"], tolerance=1e-4, raise_on_fail=False, label="int8")
-    assert not report.passed and 1e-4 < report.max_abs_err < 1.0  # lossy, but close
-    ids_q = generate(OrtEngine(exported["int8"]), list(b"the quick b"), 16)[0]
-    ids_t = generate(TorchEngine(exported["model"]), list(b"the quick b"), 16)[0]
-    assert sum(a == b for a, b in zip(ids_q, ids_t, strict=True)) >= 8
+    assert not report.passed and 1e-4 < report.max_abs_err < DEFAULT_INT8_TOLERANCE  # lossy, but accepted
+    assert_greedy_follows_torch(TorchEngine(exported["model"]), OrtEngine(exported["int8"]), list(b"the quick b"),
+                                16, INT8_TEXT_BOUND)
 
 
 def test_safetensors_export_roundtrip(exported: dict, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 from in_process import crosstrain_main
 from run_kill import sigkill_after_checkpoint
 
-from crosstrain.config import load_config
+from crosstrain.config import gpt_config, load_config
 from crosstrain.errors import ConfigError
 
 TINY = ["model.n_layers=2", "model.dim=32", "model.n_heads=2", "train.batch_size=4", "train.steps=8",
@@ -67,10 +67,12 @@ def sft_run(tmp_path_factory) -> Path:
     assert summary["recipe"] == "sft"
     assert summary["eval_after"]["loss"] < summary["eval_before"]["loss"]
     assert summary["rlhf_data"]["truncated_rows"] > 0  # 48-token prompts + completions > max_length 64
+    # a token-NLL loss (loss_is_token_nll): perplexity is exp(loss)
+    assert summary["eval_after"]["perplexity"] == pytest.approx(math.exp(summary["eval_after"]["loss"]))
     return run
 
 
-def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_path) -> None:
+def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_path, capsys) -> None:
     init = (f"model.init_from={sft_run}", "optim.name=sgd")  # SGD: weights move linearly with the gradients
     one = _train("dpo", tmp_path / "one", *init)
     assert one["init_from"]["source"].endswith("step_8") and one["init_from"]["format"] == "crosstrain"
@@ -81,6 +83,14 @@ def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == 0.0
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected"} <= set(first)
     assert "win_rate" in one["eval_after"]
+    # the DPO loss is no token NLL: no perplexity, in summary.json nor in metrics.jsonl
+    assert "perplexity" not in one["eval_before"] and "perplexity" not in one["eval_after"]
+    assert not any("eval/perplexity" in m for m in _metrics(tmp_path / "one"))
+    _check_mfu_counts_the_frozen_reference(one)
+    capsys.readouterr()
+    assert crosstrain_main(["eval", str(tmp_path / "one")]) == 0
+    printed = capsys.readouterr().out
+    assert "loss" in printed and "perplexity" not in printed, printed
 
     pre = _train("dpo", tmp_path / "pre", *init, "rlhf.reference=precomputed")
     assert "models" not in pre and len(pre["reference_logps_sha256"]) == 64
@@ -100,6 +110,24 @@ def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_
         w2 = _weights(tmp_path / run)
         for name in w1:
             torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-5)
+
+
+def _check_mfu_counts_the_frozen_reference(summary: dict) -> None:
+    """MFU's FLOPs per token: the policy's forward + backward (6N + 12 L D T, PaLM's estimate) plus the frozen
+    reference's forward only (a third of that), where N counts the non-embedding parameters."""
+    from crosstrain.models.gpt import GPT
+
+    cfg = load_config(None, list(TINY))
+    model = GPT(gpt_config(cfg))
+    n = sum(p.numel() for name, p in model.named_parameters() if name != "tok_embeddings.weight")
+    train = 6 * n + 12 * model.config.n_layers * model.config.dim * cfg.train.seq_len
+    counted = summary["mfu_flops"]
+    assert counted["policy"] == {"trainable": True, "flops_per_token": train,
+                                 "counted": "forward + backward: the model's flops_per_token"}
+    assert counted["reference"] == {"trainable": False, "flops_per_token": pytest.approx(train / 3),
+                                    "counted": "forward only: a third of the model's flops_per_token"}
+    peak = summary["peak_flops"]["flops"]
+    assert summary["mfu"] == pytest.approx(train * 4 / 3 * summary["tokens_per_s"] / peak, rel=1e-9)
 
 
 def _events(run_dir: Path, name: str) -> list[dict]:
@@ -145,6 +173,7 @@ def test_rm_from_safetensors_file(sft_run, tmp_path) -> None:
                 "export.safetensors=false")  # the exporter writes GPTs with an LM head, not reward models
     assert rm["init_from"]["source"] == str(file.resolve())
     assert {"accuracy", "margin"} <= set(rm["eval_after"]) and 0 <= rm["eval_after"]["accuracy"] <= 1
+    assert "perplexity" not in rm["eval_after"]  # a Bradley-Terry loss is no token NLL
 
 
 def test_init_from_errors_are_one_line(sft_run, tmp_path) -> None:
@@ -164,7 +193,7 @@ def test_dpo_killed_and_resumed_matches_uninterrupted(tmp_path) -> None:
             "eval.every=0")
     ref = _train("dpo", tmp_path / "ref", *sets)
     run = tmp_path / "killed"
-    sigkill_after_checkpoint(_cmd("dpo", run, *sets), run, 4, _env(), timeout_s=120)
+    sigkill_after_checkpoint(_cmd("dpo", run, *sets), run, 4, _env(), timeout_s=600)  # bounds a failure only
     resumed = _train("dpo", run, *sets)
     assert resumed["steps"] == 20 and resumed["steps_this_run"] < 20
     assert resumed["params_sha256"] == ref["params_sha256"]

@@ -34,6 +34,7 @@ from crosstrain.engine.capabilities import check_capabilities
 from crosstrain.engine.context import RunContext
 from crosstrain.engine.counters import Counters, DataState
 from crosstrain.engine.evaluate import check_eval, eval_batches, evaluate
+from crosstrain.engine.flops import count_flops, training_flops_per_token
 from crosstrain.engine.loss_scale import DynamicLossScaler
 from crosstrain.engine.metrics import (
     EventsFileSink,
@@ -77,13 +78,6 @@ def _finite_or_none(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite_or_none(v) for v in value]
     return value
-
-
-def _flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    fn = getattr(model, "flops_per_token", None)
-    if callable(fn):
-        return float(fn(seq_len))
-    return 6.0 * sum(p.numel() for p in model.parameters())
 
 
 class Trainer:
@@ -272,7 +266,8 @@ class Trainer:
                 slot.schedule = build_schedule(slot.optimizer, cfg.schedule, cfg.train.steps)
             self.models[name] = slot
         primary = self.primary.module
-        self.flops_per_token = _flops_per_token(primary, cfg.train.seq_len)
+        self.flops_per_token, self.mfu_flops = count_flops(  # every model's FLOPs, frozen ones forward only
+            ((n, m.module, m.trainable) for n, m in self.models.items()), cfg.train.seq_len)
         self.model_config = getattr(primary, "config", None)
         self.params = [p for m in self.trainable for p in m.params]
         ctx = self.context
@@ -296,7 +291,7 @@ class Trainer:
         est_step_s = 0.0
         if requested == "auto":
             peak = float(self.device_api.peak_flops(_DTYPES[cfg.precision.dtype]) or 0.0)
-            work = _flops_per_token(module, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
+            work = training_flops_per_token(module, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
             est_step_s = work / self.world_size / (peak * fast_defaults.EAGER_MFU) if peak > 0 else 0.0
         choice = fast_defaults.decide_compile(requested, self.dims, find_plan(module, "ac_units") is not None,
                                               cfg.train.steps, est_step_s, key)
@@ -720,6 +715,7 @@ class Trainer:
             "losses": self.losses,
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
+            "mfu_flops": self.mfu_flops,
             "peak_memory_bytes": int(self.device_api.memory_stats().peak),
             "median_step_time_s": sorted(step_times)[len(step_times) // 2] if step_times else 0.0,
             "wall_s": time.perf_counter() - start,

@@ -1,0 +1,42 @@
+"""The FLOPs per training token that MFU divides by: every model a recipe runs, not only the primary one.
+
+A trainable model runs forward and backward, about ``6N`` FLOPs per token for ``N`` parameters; a frozen one
+(a reference, a teacher) runs forward only, ``2N`` (Kaplan et al. 2020, "Scaling Laws for Neural Language
+Models", sec. 2.1: the backward pass costs twice the forward). A model with its own ``flops_per_token(seq_len)``
+(the built-in GPT: ``6N`` + attention, PaLM's estimate) gives its training figure, so a frozen one counts a
+third of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+#: forward + backward FLOPs over forward FLOPs (the backward pass computes two matmuls per forward one)
+TRAIN_OVER_FORWARD = 3.0
+
+
+def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Forward + backward FLOPs per token: the model's own ``flops_per_token(seq_len)``, else ``6N``."""
+    fn = getattr(model, "flops_per_token", None)
+    if callable(fn):
+        return float(fn(seq_len))
+    return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+def count_flops(models: Iterable[tuple[str, torch.nn.Module, bool]], seq_len: int
+                ) -> tuple[float, dict[str, dict[str, Any]]]:
+    """The FLOPs per token of one training step over ``(name, module, trainable)`` models, and what
+    summary.json records of each (``mfu_flops``): ``trainable``, ``flops_per_token`` and ``counted`` (how)."""
+    record: dict[str, dict[str, Any]] = {}
+    for name, module, trainable in models:
+        train = training_flops_per_token(module, seq_len)
+        own = callable(getattr(module, "flops_per_token", None))
+        flops = train if trainable else train / TRAIN_OVER_FORWARD
+        how = {(True, True): "forward + backward: the model's flops_per_token",
+               (False, True): "forward only: a third of the model's flops_per_token",
+               (True, False): "forward + backward: 6N", (False, False): "forward only: 2N"}[(trainable, own)]
+        record[name] = {"trainable": trainable, "flops_per_token": flops, "counted": how}
+    return sum(r["flops_per_token"] for r in record.values()), record
