@@ -38,7 +38,7 @@ def pki(tmp_path_factory):
 def federate(pki: Path, run_dir: Path, plan: str, overrides: list[str]):
     """A server in this process, three client processes; returns the server, its summary and rounds, and the
     global model after each round (read back from the saved safetensors, as a flat vector)."""
-    config = load_config(None, ["fl.clients=3", "fl.stage_timeout_s=60", "fl.join_timeout_s=120",
+    config = load_config(None, ["fl.clients=3", "fl.stage_timeout_s=300", "fl.join_timeout_s=600",
                                 f"fl.keep_last={len(plan.split(','))}", *overrides])
     coordinator = Coordinator()
     server = FLServer(config, run_dir, coordinator)
