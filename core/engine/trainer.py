@@ -512,6 +512,8 @@ class Trainer:
             # collective) was started at the end of the previous step and has completed during this one's compute.
             self.checkpoints.check_background()
         next_step = self.counters.step + 1
+        for m in self.trainable:  # every optimizer, the hook and clipping see gradients laid out as their params
+            m.parallel.align_grads_()
         self.scaler.unscale_(self.params)
         # Contract of crosstrain_transform_gradients: after the data-parallel reduction and the unscaling, before
         # clipping; each rank sees the gradients it holds (full under DDP, its shards under FSDP2/TP).
