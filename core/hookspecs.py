@@ -55,12 +55,16 @@ def crosstrain_add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 @hookspec
-def crosstrain_transform_model(model: torch.nn.Module, config: Any, name: str) -> torch.nn.Module | None:
+def crosstrain_transform_model(model: torch.nn.Module, config: Any, name: str,
+                               trainable: bool) -> torch.nn.Module | None:
     """Replace or modify a model after it is built and before it is parallelised (e.g. MoE layers).
 
-    Called for every model of the recipe (``name``: ``model`` in the ``lm`` recipe; ``policy``, ``reference``
-    ... in others). Return the new model, or None to keep it. A module the plugin brings supplies its own
-    parallel plan (``tp_plan()``, see docs/parallelism.md). A raising plugin stops the run.
+    Called for every model of the recipe whose ``ModelSpec`` allows it: the trainable ones, and frozen ones
+    only with ``ModelSpec(transform=True)`` (a reference copy of the policy); a frozen model loaded from a
+    source is never passed, so it keeps the weights it was loaded with. ``name`` is the recipe's (``model``
+    in ``lm``; ``policy``, ``reference`` ... in others), ``trainable`` whether it gets gradients. Return the
+    new model, or None to keep it. A module the plugin brings supplies its own parallel plan (``tp_plan()``,
+    see docs/parallelism.md). A raising plugin stops the run.
     """
 
 

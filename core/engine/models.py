@@ -63,13 +63,20 @@ def check_specs(specs: dict[str, ModelSpec], recipe: Recipe, pp: int) -> None:
                           "model and a pipeline loss); set parallel.pp=1")
 
 
-def transform_model(model: nn.Module, name: str, config: Any) -> nn.Module:
+def transform_model(model: nn.Module, name: str, config: Any, trainable: bool = True) -> nn.Module:
     """Apply each plugin's ``crosstrain_transform_model`` in registration order (a failure is fatal)."""
     for _, result in pluginmanager.call_strict("crosstrain_transform_model", "transform the model",
-                                               model=model, config=config, name=name):
+                                               model=model, config=config, name=name, trainable=trainable):
         if result is not None:
             model = result
     return model
+
+
+def transform_specs(specs: dict[str, ModelSpec], config: Any) -> dict[str, nn.Module]:
+    """Each recipe model after the plugins' transforms; a model whose spec is not
+    :attr:`~crosstrain.engine.recipe.ModelSpec.transformable` (by default a frozen one) is passed over."""
+    return {name: transform_model(spec.module, name, config, spec.trainable) if spec.transformable else spec.module
+            for name, spec in specs.items()}
 
 
 def frozen_sha256(module: nn.Module) -> str:

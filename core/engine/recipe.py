@@ -35,6 +35,15 @@ class ModelSpec:
     module: nn.Module
     trainable: bool = True
     source: str = ""
+    #: whether the plugins' ``crosstrain_transform_model`` may change the model. ``None``: trainable models
+    #: yes, frozen ones no, so a model loaded frozen from ``source`` keeps those weights (its SHA-256 is the
+    #: source's). A frozen copy of a trainable model (a reference policy) sets True to stay its copy.
+    transform: bool | None = None
+
+    @property
+    def transformable(self) -> bool:
+        """``transform`` resolved: the plugins' model transforms run on this model."""
+        return self.trainable if self.transform is None else self.transform
 
 
 @dataclass

@@ -45,7 +45,7 @@ from crosstrain.engine.metrics import (
     TensorBoardSink,
     tensorboard_available,
 )
-from crosstrain.engine.models import FrozenRecord, TrainedModel, check_specs, frozen_sha256, transform_model
+from crosstrain.engine.models import FrozenRecord, TrainedModel, check_specs, frozen_sha256, transform_specs
 from crosstrain.engine.preemption import PreemptionWatcher, StopVote
 from crosstrain.engine.ranks import RankMetrics
 from crosstrain.engine.recipe import Recipe, resolve_recipe
@@ -252,7 +252,7 @@ class Trainer:
         assert self.context is not None
         specs = self.recipe.build_models(self.context)
         check_specs(specs, self.recipe, self.dims.pp)
-        built = {name: transform_model(spec.module, name, cfg) for name, spec in specs.items()}
+        built = transform_specs(specs, cfg)
         self._set_threads(list(built.values()))
         trainable_built = [built[n] for n, spec in specs.items() if spec.trainable]
         self.compile_choice = self._decide_compile(trainable_built[0] if trainable_built else None)
@@ -512,6 +512,8 @@ class Trainer:
             # collective) was started at the end of the previous step and has completed during this one's compute.
             self.checkpoints.check_background()
         next_step = self.counters.step + 1
+        for m in self.trainable:  # every optimizer, the hook and clipping see gradients laid out as their params
+            m.parallel.align_grads_()
         self.scaler.unscale_(self.params)
         # Contract of crosstrain_transform_gradients: after the data-parallel reduction and the unscaling, before
         # clipping; each rank sees the gradients it holds (full under DDP, its shards under FSDP2/TP).

@@ -1,4 +1,5 @@
-"""Gradient norm and clipping that are correct under FSDP, TP (DTensor gradients) and PP (stage-local grads)."""
+"""Gradient layout, norm and clipping that are correct under FSDP, TP (DTensor gradients) and PP (stage-local
+grads)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,28 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from crosstrain.parallel.state import quiet_redistribute
+
+
+def align_grads_(params: Iterable[torch.Tensor]) -> int:
+    """Give every DTensor gradient its parameter's mesh and placements; returns how many were redistributed.
+
+    Autograd leaves a DTensor parameter's gradient in whatever layout the backward produced: a vocab-sharded
+    embedding (``Shard(0)``) behind a replicated-input plan gets a ``Replicate()`` (or ``Partial()``) gradient.
+    ``torch.optim`` copes through DTensor's implicit redistribution, but an optimizer that steps each rank's
+    local shard (the fused native kernels, the host-offload optimizer) needs the gradient's shard to be the
+    parameter's. Doing it once here, before anything reads the gradients, serves every optimizer. ``Replicate``
+    to ``Shard`` is a local slice; ``Partial`` becomes a reduce-scatter, the reduction it needed anyway.
+    """
+    moved = 0
+    with quiet_redistribute():
+        for p in params:
+            g = p.grad
+            if not isinstance(p, DTensor) or not isinstance(g, DTensor):
+                continue
+            if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+                moved += 1
+    return moved
 
 
 def _group_grads(params: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:

@@ -226,6 +226,11 @@ class ParallelModel:
         if self.use_fsdp and self.schedule is None:
             cast(FSDPModule, self.module).set_requires_gradient_sync(self._grad_sync)
 
+    def align_grads_(self) -> int:
+        """Bring each DTensor gradient to its parameter's placements (before any optimizer reads local shards);
+        returns how many moved. See :func:`crosstrain.parallel.grad.align_grads_`."""
+        return gradmod.align_grads_(self.module.parameters())
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient L2 norm to ``max_norm`` (<= 0: measure only); returns the norm before."""
         return gradmod.clip_grad_norm_(self.module.parameters(), max_norm, self.pp_group, self.device)

@@ -43,7 +43,13 @@ def sequence_aux_loss(probs: torch.Tensor, ids: torch.Tensor, coeff: float) -> t
 def global_counts(ids: torch.Tensor, experts: int, group: Any = None) -> torch.Tensor:
     """Choices per expert summed over the ranks of ``group`` (one all-reduce; local counts without a group).
 
-    The global-batch Switch loss (Qiu et al. 2025, "Demons in the detail") uses them as ``f_i``.
+    The global-batch Switch loss (Qiu et al. 2025, "Demons in the detail") uses them as ``f_i``, and only
+    them: with ``f`` global and ``P`` this rank's mean, rank ``r`` computes ``c E sum_i f_i P_i^r``. The loop
+    averages losses and gradients over the data-parallel ranks, and the loss is linear in ``P`` with ``f``
+    constant (not differentiated, Fedus et al. 2021 eq. 4-6), so the mean of the ranks' values is
+    ``c E sum_i f_i mean_r P_i^r`` -- the one-process loss of the whole micro-batch -- and so is the mean of
+    their gradients. All-reducing ``P`` too would count its gradient once per rank. Ranks holding the same
+    tokens (tp peers) scale every count alike, which leaves the fractions ``f`` unchanged.
     """
     counts = expert_counts(ids, experts)
     if dist.is_initialized() and dist.get_world_size(group) > 1:

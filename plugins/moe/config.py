@@ -23,7 +23,9 @@ class MoESection(BaseModel):
     drop_policy: Literal["probs", "position"] = "probs"
     router: Literal["softmax", "sigmoid"] = "softmax"
     jitter: float = Field(default=0.0, ge=0, lt=1, description="multiplicative router-input noise in training")
-    aux_loss: Literal["micro_batch", "sequence", "global", "none"] = "micro_batch"
+    aux_loss: Literal["micro_batch", "sequence", "global", "none"] = Field(
+        default="global", description="Switch balance-loss scope; global (expert counts over all ranks) gives "
+        "(and sequence) the same run on every layout; micro_batch depends on the per-rank micro-batch")
     aux_loss_coeff: float = Field(default=0.01, ge=0)
     z_loss_coeff: float = Field(default=0.001, ge=0)
     bias_update_rate: float = Field(default=0.0, ge=0, description="aux-loss-free balancing; 0 = off")

@@ -139,7 +139,10 @@ class MoELayer(nn.Module):
                 b, t = shape[0], shape[1]
                 term = balance.sequence_aux_loss(probs.view(b, t, -1), ids.view(b, t, -1), cfg.aux_loss_coeff)
             elif cfg.aux_loss == "global":
-                counts = balance.global_counts(ids, self.num_experts)
+                # Only where gradients are recorded (a training forward or its recompute, which every rank runs):
+                # under no_grad (rollout generation, whose ranks may stop after different numbers of tokens) the
+                # term trains nothing, and an all-reduce would wait for ranks that never join it.
+                counts = balance.global_counts(ids, self.num_experts) if torch.is_grad_enabled() else None
                 term = balance.switch_aux_loss(probs, ids, cfg.aux_loss_coeff, counts=counts)
             else:
                 term = balance.switch_aux_loss(probs, ids, cfg.aux_loss_coeff)

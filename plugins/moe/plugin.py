@@ -18,6 +18,8 @@ def crosstrain_config_sections() -> dict[str, type]:
 
 @crosstrain.hookimpl
 def crosstrain_transform_model(model: torch.nn.Module, config: Any, name: str) -> torch.nn.Module | None:
+    """MoE layers in every model the loop passes (trainable ones and frozen copies a recipe marks
+    ``ModelSpec(transform=True)``); frozen models loaded from a source never reach it."""
     from crosstrain.plugins.moe.setup import transform
 
     return transform(model, config)

@@ -211,7 +211,9 @@ class DPORecipe(RLHFRecipe):
         reference = copy.deepcopy(policy)
         source = (f"model.init_from {self.init_record['source']}" if self.init_record
                   else f"initial weights (train.seed={context.config.train.seed})")
-        return {"policy": ModelSpec(policy), "reference": ModelSpec(reference, trainable=False, source=source)}
+        # transform=True: the plugins' transforms (MoE layers) build the policy's copy, so the two start equal
+        return {"policy": ModelSpec(policy),
+                "reference": ModelSpec(reference, trainable=False, source=source, transform=True)}
 
     def _logps(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, labels, mask = _shifted(batch)

@@ -36,7 +36,9 @@ class LMKLRecipe(LMRecipe):
         policy = build_model(context.config)
         reference = copy.deepcopy(policy)
         source = f"initial weights (train.seed={context.config.train.seed})"
-        return {"policy": ModelSpec(policy), "reference": ModelSpec(reference, trainable=False, source=source)}
+        # transform=True: plugin transforms (e.g. MoE layers) apply to the copy too, so it stays the policy's start
+        return {"policy": ModelSpec(policy),
+                "reference": ModelSpec(reference, trainable=False, source=source, transform=True)}
 
     def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
         inputs, targets = batch

@@ -147,7 +147,8 @@ class RLRecipe(Recipe):
         if self.sec.beta:
             source = (f"model.init_from {self.init_record['source']}" if self.init_record
                       else f"initial weights (train.seed={cfg.train.seed})")
-            models["reference"] = ModelSpec(copy.deepcopy(policy), trainable=False, source=source)
+            # transform=True: transformed like the policy (the same MoE experts), so the two start equal
+            models["reference"] = ModelSpec(copy.deepcopy(policy), trainable=False, source=source, transform=True)
         if self.rew.model:
             rm = scalar_head_gpt(cfg)
             try:
