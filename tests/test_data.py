@@ -58,7 +58,9 @@ def test_dataset_windows_are_input_target_shifted() -> None:
     tokens = np.arange(41, dtype=np.uint8)
     ds = TokenDataset(tokens, seq_len=8)
     assert len(ds) == 5
-    x, y = ds.batch([0, 4])
+    b = ds.batch([0, 4])
+    x, y = b.inputs, b.targets
+    assert b.document_ids is None and b.positions is None
     assert x.dtype == torch.int64 and x.shape == (2, 8)
     assert x[1].tolist() == list(range(32, 40)) and y[1].tolist() == list(range(33, 41))
     assert torch.equal(x[:, 1:], y[:, :-1])

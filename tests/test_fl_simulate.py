@@ -38,7 +38,7 @@ def held_out_loss(config, tensors: dict[str, torch.Tensor]) -> float:
     model.eval()
     data = recipe.eval_dataset
     with torch.no_grad():
-        losses = [next_token_loss(model(x), y).item() for x, y in
+        losses = [next_token_loss(model(b.inputs), b.targets).item() for b in
                   (data.batch(np.arange(i, min(i + 16, len(data)))) for i in range(0, len(data), 16))]
     return float(np.mean(losses))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import shutil
 import signal
@@ -235,13 +236,15 @@ def _free_port() -> int:
 
 
 def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:  # a loaded host
         text = response.read().decode()
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
             if line.startswith("crosstrain_") and "{" not in line}
 
 
-def _wait(what: str, predicate, timeout: float = 60.0):
+def _wait(what: str, predicate, timeout: float = 300.0):
+    """Poll ``predicate`` until it holds; the timeout only bounds how long a real failure takes to report, so it
+    covers starting 2 ranks on a loaded 2-core machine."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -283,7 +286,9 @@ def test_prometheus_stall_gauge_and_hang_dump_while_a_rank_is_stopped(tmp_path: 
                       and m)
         assert later["crosstrain_loss"] > 0 and later["crosstrain_tokens_per_second"] > 0
         assert later["crosstrain_mfu"] > 0 and later["crosstrain_peak_memory_bytes"] > 0
-        assert later["crosstrain_seconds_since_last_step"] < 2 and later["crosstrain_last_checkpoint_step"] == -1
+        assert later["crosstrain_last_checkpoint_step"] == -1 and later["crosstrain_seconds_since_last_step"] >= 0
+        assert math.isnan(later["crosstrain_eval_loss"])  # eval.every=0: never evaluated, so no value
+        _wait("a scrape just after a step", lambda: _scrape(port)["crosstrain_seconds_since_last_step"] < 2)
         live, _ = _report(capsys, str(run_dir), "--out", str(tmp_path / "rep"))  # of the run while it goes
         assert live == 0 and "running (no summary.json" in (tmp_path / "rep" / "report.html").read_text()
         rank1 = _rank_pid(proc.pid, 1)
@@ -300,13 +305,32 @@ def test_prometheus_stall_gauge_and_hang_dump_while_a_rank_is_stopped(tmp_path: 
             os.kill(rank1, signal.SIGCONT)
         _wait("steps again", lambda: _scrape(port)["crosstrain_seconds_since_last_step"] < 1)
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert "no step completed for" in err  # the hang event's message, on rank 0's stderr
+
+
+def test_prometheus_metric_gauges_are_nan_until_written(tmp_path: Path) -> None:
+    """Scraped over HTTP: ``crosstrain_eval_loss`` is NaN (not 0.0) until an evaluation wrote it, then keeps the
+    last evaluation's value through steps without one."""
+    from crosstrain.plugins.observability.prometheus import PrometheusSink
+
+    sink = PrometheusSink(0)
+    try:
+        before = _scrape(sink.port)
+        assert math.isnan(before["crosstrain_eval_loss"]) and math.isnan(before["crosstrain_loss"])
+        sink.write(1, {"loss": 3.0})
+        assert math.isnan(_scrape(sink.port)["crosstrain_eval_loss"]) and _scrape(sink.port)["crosstrain_loss"] == 3.0
+        sink.write(2, {"loss": 2.9, "eval/loss": 2.5})
+        sink.write(3, {"loss": 2.8})
+        after = _scrape(sink.port)
+        assert (after["crosstrain_eval_loss"], after["crosstrain_loss"], after["crosstrain_step"]) == (2.5, 2.8, 3)
+    finally:
+        sink.close()
 
 
 def test_prometheus_port_in_use_is_a_one_line_error(tmp_path: Path, capsys) -> None:

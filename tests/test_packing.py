@@ -54,11 +54,13 @@ def test_packed_dataset_numbers_documents_per_row() -> None:
     from crosstrain.data.packing import PackedDataset
 
     ds = PackedDataset(TokenDataset(np.arange(41, dtype=np.int64), 8), np.array([0, 3, 12, 13, 30]))
-    inputs, targets, doc = ds.batch([0, 1, 3])
+    b = ds.batch([0, 1, 3])
+    inputs, targets, doc = b.inputs, b.targets, b.document_ids
     assert inputs.shape == doc.shape == (3, 8) and torch.equal(inputs[:, 1:], targets[:, :-1])
     assert doc[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
     assert doc[1].tolist() == [0, 0, 0, 0, 1, 2, 2, 2]  # tokens 8..15: doc 1 until 11, doc 2 at 12, doc 3 from 13
     assert doc[2].tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert b.positions[1].tolist() == [0, 1, 2, 3, 0, 0, 1, 2]  # 0 at each row and document start
 
 
 def test_training_with_packing_runs_and_needs_boundaries(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -76,3 +78,31 @@ def test_training_with_packing_runs_and_needs_boundaries(tmp_path) -> None:  # t
     write_token_file(bare, [np.arange(2000) % 256], 256)
     with pytest.raises(ConfigError, match="needs document boundaries"):
         LMRecipe().validate(load_config(None, ["data.packing=documents", f"data.path={bare}"]))
+
+
+def test_token_batch_cannot_lose_a_field_and_reaches_the_model_whole() -> None:
+    """Unpacking or indexing a batch is a TypeError naming the fields (a 3-tuple unpacked as 2 or sliced used
+    to drop the document ids silently); ``to_device`` moves every field; the lm loss masks by document."""
+    from crosstrain.data.dataset import TokenDataset
+    from crosstrain.data.packing import PackedDataset
+    from crosstrain.engine.step import to_device
+    from crosstrain.recipes.lm import LMRecipe, next_token_loss
+
+    ds = PackedDataset(TokenDataset(np.arange(200, dtype=np.int64) % 64, 16), np.array([0, 5, 40, 41, 90]))
+    batch = ds.batch([0, 2, 5])
+    for lossy in (lambda b: tuple(b), lambda b: b[:2], lambda b: b[0]):
+        with pytest.raises(TypeError, match=r"not a tuple: read batch\.inputs, batch\.targets .*batch\.document_ids"):
+            lossy(batch)
+    with pytest.raises(TypeError, match="not a tuple"):
+        _inputs, _targets = batch  # what docs/recipes.md once showed
+    moved = to_device(batch, torch.device("meta"))
+    assert type(moved) is type(batch) and {t.device.type for t in (moved.inputs, moved.targets, moved.document_ids,
+                                                                   moved.positions)} == {"meta"}
+    assert to_device(TokenDataset(np.arange(40), 8).batch([0]), torch.device("meta")).document_ids is None
+
+    model = build_gpt("tiny", vocab_size=64, n_layers=1, dim=32, n_heads=2, max_seq_len=16).eval()
+    with torch.no_grad(), registry.use_reference():
+        got = LMRecipe().loss({"model": model}, batch).loss
+        masked = next_token_loss(model(batch.inputs, doc_ids=batch.document_ids), batch.targets)
+        unmasked = next_token_loss(model(batch.inputs), batch.targets)
+    assert torch.equal(got, masked) and not torch.equal(got, unmasked)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from crosstrain.data.batch import TokenBatch
 from crosstrain.errors import ConfigError
 
 
@@ -25,11 +26,11 @@ class TokenDataset:
     def __len__(self) -> int:
         return max((len(self.tokens) - 1) // self.seq_len, 0)
 
-    def batch(self, indices: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, both int64 ``[len(indices), seq_len]``."""
+    def batch(self, indices: np.ndarray | list[int]) -> TokenBatch:
+        """``inputs`` and ``targets``, both int64 ``[len(indices), seq_len]``."""
         idx = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len + self._offsets
         rows = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
-        return rows[:, :-1], rows[:, 1:]
+        return TokenBatch(rows[:, :-1], rows[:, 1:])
 
 
 def build_dataset(path: str, seq_len: int) -> TokenDataset:

@@ -13,13 +13,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from crosstrain.data.batch import TokenBatch
 from crosstrain.data.dataset import TokenDataset
 from crosstrain.errors import ConfigError
+from crosstrain.models.document_mask import document_positions
 
 
 class PackedDataset:
-    """A :class:`TokenDataset` whose batches are ``(inputs, targets, doc_ids)``; ``doc_ids`` int64 ``[B, T]``
-    numbers the documents inside each row from 0."""
+    """A :class:`TokenDataset` whose batches also carry ``document_ids`` (int64 ``[B, T]``, the documents inside
+    each row numbered from 0) and each token's ``positions`` inside its document (:class:`TokenBatch`)."""
 
     def __init__(self, base: TokenDataset, doc_starts: np.ndarray) -> None:
         self.base = base
@@ -32,11 +34,12 @@ class PackedDataset:
     def __len__(self) -> int:
         return len(self.base)
 
-    def batch(self, indices: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs, targets = self.base.batch(indices)
-        positions = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len + self._offsets
-        doc = np.searchsorted(self.doc_starts, positions, side="right") - 1
-        return inputs, targets, torch.from_numpy(doc - doc[:, :1])
+    def batch(self, indices: Any) -> TokenBatch:
+        rows = self.base.batch(indices)
+        offsets = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len + self._offsets
+        doc = np.searchsorted(self.doc_starts, offsets, side="right") - 1
+        doc_ids = torch.from_numpy(doc - doc[:, :1])
+        return TokenBatch(rows.inputs, rows.targets, doc_ids, document_positions(doc_ids))
 
 
 def _starts(data_cfg: Any) -> np.ndarray | None:

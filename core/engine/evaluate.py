@@ -3,7 +3,8 @@
 Batches are taken in order (no RNG, no sampler), ``batch_size`` sequences each, split across data-parallel
 ranks like a training step; the models run in eval mode under ``torch.no_grad()``; losses and metrics are
 averaged over data-parallel ranks and then over batches, so every layout reports what one process would.
-Perplexity is ``exp(loss)`` of the mean token cross-entropy (nats).
+Perplexity is ``exp(loss)`` of the mean token cross-entropy (nats), reported only for a recipe whose loss is
+one (``Recipe.loss_is_token_nll``): of a DPO or distillation loss it would be a meaningless figure.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def check_eval(num_samples: int, batch_size: int, dp_size: int, microbatches: in
 @torch.no_grad()
 def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: TrainedModel, dataset: RecipeDataset, *,
              batch_size: int, steps: int, dp_rank: int, dp_size: int, device: torch.device) -> dict[str, float]:
-    """``eval/loss``, ``eval/perplexity``, ``eval/<metric>`` and ``time_eval_s`` (the same on every rank)."""
+    """``eval/loss``, ``eval/perplexity`` (token-NLL recipes), ``eval/<metric>`` and ``time_eval_s`` (the same on
+    every rank)."""
     start = time.perf_counter()
     pm = primary.parallel
     modules = {name: m.module for name, m in models.items()}
@@ -73,7 +75,8 @@ def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: Traine
         return {}
     means = (sums / n).tolist()
     result = {f"eval/{name}": value for name, value in zip(names, means, strict=True)}
-    loss = result["eval/loss"]
-    result["eval/perplexity"] = math.exp(loss) if loss < 700 else float("inf")
+    if recipe.loss_is_token_nll:
+        loss = result["eval/loss"]
+        result["eval/perplexity"] = math.exp(loss) if loss < 700 else float("inf")
     result["time_eval_s"] = time.perf_counter() - start
     return result

@@ -7,7 +7,6 @@ reshards any saved layout onto this one) and evaluated exactly as the training l
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +62,8 @@ def evaluate_checkpoint(config: Config, step_dir: Path) -> dict[str, Any]:
         rank, world = trainer.rank, trainer.world_size  # before teardown leaves the process group
     finally:
         trainer.teardown()
-    loss = results["eval/loss"]
-    return {"checkpoint": str(step_dir), "step": int(step), "loss": loss,
-            "perplexity": math.exp(loss) if loss < 700 else float("inf"),
+    perplexity = {"perplexity": results["eval/perplexity"]} if "eval/perplexity" in results else {}
+    return {"checkpoint": str(step_dir), "step": int(step), "loss": results["eval/loss"], **perplexity,
             "batches": trainer.eval_batches, "samples": trainer.eval_batches * trainer.eval_batch_size,
             "rank": rank, "world_size": world, "mesh": trainer.dims.mesh_shape(),
             **{k: v for k, v in results.items() if k.startswith("eval/") and k not in ("eval/loss", "eval/perplexity")}}

@@ -77,6 +77,9 @@ class Recipe:
     supports_pipeline: ClassVar[bool] = False
     #: evaluate once before the first step too (summary.json gets ``eval_before`` and ``eval_after``).
     eval_at_start: ClassVar[bool] = False
+    #: the loss is a mean token negative log-likelihood (nats), so ``exp(loss)`` is a perplexity and evaluation
+    #: reports ``eval/perplexity``; a subclass that changes the loss (adds a KL term, scores pairs) sets False.
+    loss_is_token_nll: ClassVar[bool] = False
 
     def validate(self, config: Config) -> None:
         """Check what a user can get wrong before any process group, file or model exists (raise ConfigError)."""

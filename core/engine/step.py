@@ -4,6 +4,7 @@ the loss and the recipe's metrics over data-parallel ranks (one async all-reduce
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,9 +17,13 @@ from crosstrain.errors import CrosstrainError, PluginError
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move a batch (a tensor, or a tuple/list/dict of them) to ``device`` without blocking."""
+    """Move a batch (a tensor, a dataclass such as :class:`~crosstrain.data.batch.TokenBatch`, or a
+    tuple/list/dict of them) to ``device`` without blocking."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, dict):

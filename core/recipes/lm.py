@@ -1,8 +1,9 @@
 """``lm``: next-token language-model pretraining, crosstrain's default recipe.
 
-One trainable model (the built-in GPT from ``model.preset``, or ``model.import_path``'s callable), batches of
-``(inputs, targets)`` cut from the token dataset, and the mean token cross-entropy through the kernel
-registry (``crosstrain.kernels.cross_entropy``). Runs under every layout, pipeline parallelism included.
+One trainable model (the built-in GPT from ``model.preset``, or ``model.import_path``'s callable),
+:class:`~crosstrain.data.TokenBatch` batches cut from the token dataset, and the mean token cross-entropy
+through the kernel registry (``crosstrain.kernels.cross_entropy``). Runs under every layout, pipeline
+parallelism included.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from crosstrain import kernels
 from crosstrain.config import Config, gpt_config, resolve_import_path
-from crosstrain.data import TokenDataset
+from crosstrain.data import TokenBatch, TokenDataset
 from crosstrain.data.dataset import build_datasets
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
 from crosstrain.errors import ConfigError
@@ -129,6 +130,7 @@ class LMRecipe(Recipe):
 
     name = "lm"
     supports_pipeline = True
+    loss_is_token_nll = True
 
     def __init__(self) -> None:
         self.dataset: TokenDataset | None = None
@@ -180,16 +182,17 @@ class LMRecipe(Recipe):
     def data_split(self) -> dict[str, Any]:
         return self.split
 
-    def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
-        if len(batch) == 3:  # data.packing = "documents": (inputs, targets, doc_ids)
-            inputs, targets, doc_ids = batch
-            return MicroBatchLoss(next_token_loss(models["model"](inputs, doc_ids=doc_ids), targets))
-        inputs, targets = batch
-        return MicroBatchLoss(next_token_loss(models["model"](inputs), targets))
+    def loss(self, models: Mapping[str, nn.Module], batch: TokenBatch) -> MicroBatchLoss:
+        if batch.document_ids is not None:  # data.packing = "documents"
+            logits = models["model"](batch.inputs, doc_ids=batch.document_ids)
+        else:
+            logits = models["model"](batch.inputs)
+        return MicroBatchLoss(next_token_loss(logits, batch.targets))
 
-    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = batch
-        return inputs, targets
+    def pipeline_batch(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch.document_ids is not None:  # validate() refuses packing under pp; never drop the ids silently
+            raise ConfigError("data.packing='documents' cannot run under parallel.pp > 1; set data.packing='concat'")
+        return batch.inputs, batch.targets
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return next_token_loss(output, target)

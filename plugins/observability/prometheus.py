@@ -5,6 +5,9 @@ Gauges (all prefixed ``crosstrain_``): ``step``, ``loss``, ``eval_loss``, ``toke
 at scrape time, so it rises while the loop is stuck), ``last_checkpoint_step`` and
 ``last_checkpoint_age_seconds``; a ``events_total`` counter by event name. Served by prometheus-client's own
 HTTP server thread, from a registry of this run only.
+
+A metric gauge reads NaN until its metric was first written (``eval_loss`` until the first evaluation, not
+0.0, which would read as a perfect loss) and then keeps its last value.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class PrometheusSink:
 
         self.step = gauge("step", "optimizer steps completed")
         self.gauges = {key: gauge(name, doc) for key, (name, doc) in GAUGES.items()}
+        for g in self.gauges.values():
+            g.set(float("nan"))  # no value yet; a Gauge starts at 0.0
         gauge("seconds_since_last_step", "seconds since the last step completed (rises while the run is stalled)"
               ).set_function(lambda: time.time() - self._last_step_time)
         self.checkpoint_step = gauge("last_checkpoint_step", "step of the last checkpoint saved (-1: none yet)")

@@ -137,6 +137,7 @@ class SFTRecipe(RLHFRecipe):
     """``sft``: masked next-token loss over completion tokens only (:func:`losses.sft_loss`)."""
 
     name = "sft"
+    loss_is_token_nll = True  # the mean NLL of each sequence's completion tokens
 
     def build_models(self, context: Any) -> dict[str, ModelSpec]:
         return {"policy": ModelSpec(self._policy(context))}

@@ -47,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                           for k, v in result.items()}))
     else:
-        print(f"crosstrain: eval of {result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f}, "
-              f"perplexity {result['perplexity']:.4f} over {result['samples']} samples", file=sys.stdout)
+        perplexity = f", perplexity {result['perplexity']:.4f}" if "perplexity" in result else ""
+        print(f"crosstrain: eval of {result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f}"
+              f"{perplexity} over {result['samples']} samples", file=sys.stdout)
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crosstrain.data import TokenBatch
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec
 from crosstrain.recipes.lm import LMRecipe, build_model, next_token_loss
 
@@ -30,6 +31,7 @@ class LMKLRecipe(LMRecipe):
 
     name = "lm_kl"
     supports_pipeline = False
+    loss_is_token_nll = False  # ce + beta * KL: exp(loss) would not be a perplexity
 
     def build_models(self, context: Any) -> dict[str, ModelSpec]:
         self.beta = float(context.config.section("lm_kl").beta)
@@ -40,11 +42,12 @@ class LMKLRecipe(LMRecipe):
         return {"policy": ModelSpec(policy),
                 "reference": ModelSpec(reference, trainable=False, source=source, transform=True)}
 
-    def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
-        inputs, targets = batch
-        logits = models["policy"](inputs)
+    def loss(self, models: Mapping[str, nn.Module], batch: TokenBatch) -> MicroBatchLoss:
+        # data.packing = "documents": keep attention inside each document
+        docs = {} if batch.document_ids is None else {"doc_ids": batch.document_ids}
+        logits = models["policy"](batch.inputs, **docs)
         with torch.no_grad():
-            reference_logits = models["reference"](inputs)
-        ce = next_token_loss(logits, targets)
+            reference_logits = models["reference"](batch.inputs, **docs)
+        ce = next_token_loss(logits, batch.targets)
         kl = token_kl(logits, reference_logits)
         return MicroBatchLoss(ce + self.beta * kl, {"ce": ce.detach(), "kl": kl.detach()})
