@@ -27,6 +27,11 @@ def _micro(config: Any, dims: Any) -> int:
     return int(config.train.batch_size // (dims.dp_degree * config.train.grad_accum))
 
 
+def _experts(config: Any) -> int:
+    """``moe.experts``, 0 without the MoE plugin."""
+    return int(getattr(config.plugins.get("moe"), "experts", 0))
+
+
 def _groups(config: Any) -> int:
     return int(config.section("rl").num_generations)
 
@@ -48,6 +53,13 @@ RULES = (
          lambda c, d: c.train.recipe in SCALAR_HEAD and d.tp > 1,
          lambda c, d: f"--recipe {c.train.recipe} replaces the LM head with a scalar head, which parallel.tp="
                       f"{d.tp} cannot shard"),
+    # stop-gap: generation unshards FSDP groups and calls the experts module directly, which lazily initialises
+    # the experts' own FSDP group (ep > 1) as a root before the policy's first forward; FSDP then refuses it
+    Rule("rl-ep", "rlhf", "grpo or ppo with `moe.experts > 0` and `parallel.ep > 1`",
+         "set parallel.ep=1 (experts replicated) or moe.experts=0",
+         lambda c, d: c.train.recipe in RL_RECIPES and d.ep > 1 and _experts(c) > 0,
+         lambda c, d: f"--recipe {c.train.recipe} samples rollouts, which do not run on experts split over "
+                      f"parallel.ep={d.ep} ranks yet"),
     Rule("rl-groups", "rlhf", "grpo or ppo whose micro-batch (`batch_size / (dp x grad_accum)`) is not a multiple "
          "of `rl.num_generations`", "change one of them",
          lambda c, d: c.train.recipe in RL_RECIPES and (_micro(c, d) % _groups(c) != 0 or _micro(c, d) == 0),
