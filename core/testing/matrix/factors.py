@@ -17,7 +17,8 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "grad_accum": ("1", "2"),
 }
 
-#: the factors that no refusal rule reads are covered pairwise even by ``--full`` (see docs/parallelism.md).
+#: the run-time factors (no rule refuses any of their values here) are covered pairwise even by ``--full``; the
+#: others, whose combinations the rules refuse, are crossed exhaustively there (see docs/parallelism.md).
 RUNTIME_FACTORS = ("optim", "kernels", "precision", "grad_accum")
 
 #: layout -> (world size, data-parallel degree, parallel.* overrides)
