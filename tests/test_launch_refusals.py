@@ -16,6 +16,8 @@ CASES = {
     "MoE with pp": (["--set", "moe.experts=4", "--set", "parallel.pp=2"], "not supported under pipeline parallelism"),
     "rm with tp=2": (["--recipe", "rm", "--set", "parallel.tp=2"], "which parallel.tp=2 cannot shard"),
     "LoRA with lm": (["--set", "lora.rank=4"], "train.recipe='lm' would ignore it"),
+    "grpo with experts over ep": (["--recipe", "grpo", "--set", "moe.experts=4", "--set", "parallel.ep=2"],
+                                  "do not run on experts split over parallel.ep=2 ranks"),
 }
 
 

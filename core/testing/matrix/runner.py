@@ -68,7 +68,7 @@ def train_on_rank(collective: Any, overrides: list[str], run_dir: str) -> Logged
 
 
 #: the denominator's floor: values below it (GRPO's loss, 0 by construction up to rounding) are compared absolutely
-FLOOR = 1e-2
+FLOOR = 0.1
 
 
 def max_rel(got: list[float], ref: list[float]) -> float:
