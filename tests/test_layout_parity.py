@@ -28,6 +28,7 @@ DENSE = [*SMALL, "train.steps=4", "model.n_layers=2"]
 MOE = [*SMALL, "train.steps=12", "model.n_layers=1", "moe.experts=8"]
 RUNS: dict[str, list[str]] = {
     "tp": [*DENSE, "parallel.tp=2"],
+    "tp_offload": [*DENSE, "parallel.tp=2", "optim.offload=true"],  # the host optimizer reads local shards too
     "moe_ep": [*MOE, "parallel.ep=2"],
     "moe_fsdp": [*MOE, "parallel.dp_shard=2"],
 }
@@ -69,10 +70,12 @@ def _same_losses(got: list[float], want: list[float]) -> None:
 
 def test_tp_with_the_default_optimizer_matches_one_process(two_ranks, tmp_path) -> None:
     ref = _one_process(DENSE, tmp_path / "ref")
-    tp = two_ranks["tp"]
-    assert tp["mesh"]["tp"] == 2
+    tp, offload = two_ranks["tp"], two_ranks["tp_offload"]
+    assert tp["mesh"]["tp"] == 2 == offload["mesh"]["tp"]
     assert tp["optim_impl"] == ref["optim_impl"] != "torch"  # the fused step that steps local shards
+    assert offload["optim_impl"] == "offload"
     _same_losses(tp["losses"], ref["losses"])
+    _same_losses(offload["losses"], ref["losses"])  # the same update on the host
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,10 @@ def _model(**overrides: Any) -> torch.nn.Module:
 
     torch.manual_seed(0)
     model = build_gpt("tiny", n_layers=2)
-    return to_moe(model, MoESection(experts=4, top_k=2, aux_loss_coeff=0.01, z_loss_coeff=0.001, **overrides), seed=3)
+    # micro_batch: each rank's balance loss over its own batch, as the per-rank references below compute it
+    # (the global default is compared with one process through the trainer in tests/test_layout_parity.py)
+    cfg = MoESection(experts=4, top_k=2, aux_loss="micro_batch", aux_loss_coeff=0.01, z_loss_coeff=0.001, **overrides)
+    return to_moe(model, cfg, seed=3)
 
 
 def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
