@@ -131,3 +131,9 @@ def crosstrain_export_state_dict(state_dict: dict[str, torch.Tensor], config: An
     ``config`` is the run's :class:`crosstrain.config.Config`, or None when the source has no run config.
     Called in registration order, each on the previous one's result; a raising plugin stops the export.
     """
+
+
+@hookspec
+def crosstrain_refusal_rules() -> list[Any]:
+    """Return :class:`crosstrain.config.rules.Rule` objects: the combinations of config and layout this plugin
+    refuses (checked in the launcher before any worker starts, and listed in docs/parallelism.md)."""

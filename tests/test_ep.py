@@ -97,7 +97,7 @@ def test_ep_is_carved_from_dp_shard():
 def test_config_accepts_ep_and_checks_it_against_the_world():
     from crosstrain.config.loader import check_world, load_config
 
-    assert check_world(load_config(None, ["parallel.ep=2", "train.batch_size=8"]), 2).ep == 2
+    assert check_world(load_config(None, ["parallel.ep=2", "moe.experts=2", "train.batch_size=8"]), 2).ep == 2
     _one_line_error(lambda: check_world(load_config(None, ["parallel.ep=2", "parallel.dp_shard=1",
                                                            "parallel.tp=2"]), 2), "parallel.ep=2 must divide")
 

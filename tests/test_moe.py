@@ -198,13 +198,14 @@ def test_config_errors_are_one_line():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["moe.experts=2", "moe.top_k=3"])
     assert "moe.top_k=3 exceeds moe.experts=2" in str(info.value) and "\n" not in str(info.value)
+    from crosstrain.config import check_world
     from crosstrain.models.gpt import build_gpt
     from crosstrain.plugins.moe.setup import transform
 
     for overrides, words in ((["moe.experts=3", "parallel.ep=2"], "parallel.ep=2 must divide moe.experts=3"),
                              (["moe.experts=4", "parallel.pp=2"], "parallel.pp=2"),):
-        with pytest.raises(ConfigError, match=words):
-            transform(build_gpt("tiny"), load_config(None, overrides))
+        with pytest.raises(ConfigError, match=words):  # before any worker starts (plugins/moe/rules.py)
+            check_world(load_config(None, overrides), 2)
     with pytest.raises(ConfigError, match="needs the built-in GPT"):
         to_moe(torch.nn.Linear(2, 2), MoESection(experts=2))
     assert transform(build_gpt("tiny"), load_config(None, [])) is None  # experts = 0: dense, untouched

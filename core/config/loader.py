@@ -228,7 +228,8 @@ def _pretrained_gpt_config(config: Config) -> Any:
 
 
 def check_world(config: Config, world_size: int, memory_per_rank: int = 0) -> Any:
-    """Checks that need the world size; returns the resolved ``ParallelDims``. Raises ConfigError.
+    """Checks that need the world size, the refusal rules (:mod:`crosstrain.config.rules`) among them; returns the
+    resolved ``ParallelDims``. Raises ConfigError.
 
     ``memory_per_rank`` (bytes, 0 = unknown) lets ``parallel.layout = "auto"`` pick DDP where the training state
     fits comfortably (:mod:`crosstrain.parallel.layout`); the choice is ``dims.layout_choice``.
@@ -251,6 +252,9 @@ def check_world(config: Config, world_size: int, memory_per_rank: int = 0) -> An
     dims.layout_choice = choice
     if not config.model.import_path:
         dims.validate_model(gpt_config(config))
+    from crosstrain.config.rules import check_rules
+
+    check_rules(config, dims)
     per_step = dims.dp_degree * config.train.grad_accum
     if config.train.batch_size % per_step:
         raise ConfigError(

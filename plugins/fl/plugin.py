@@ -52,3 +52,10 @@ def crosstrain_after_optimizer_step(context: Any, step: int) -> None:
     recipe = _active(context)
     if recipe is not None:
         recipe.after_step(context, step)
+
+
+@crosstrain.hookimpl
+def crosstrain_refusal_rules() -> list[Any]:
+    from crosstrain.plugins.fl.rules import RULES
+
+    return list(RULES)

@@ -33,3 +33,10 @@ def crosstrain_after_optimizer_step(context: Any, step: int) -> None:
         for layer in moe_layers(context.models[name]):
             if layer.cfg.bias_update_rate > 0:
                 layer.update_bias()
+
+
+@crosstrain.hookimpl
+def crosstrain_refusal_rules() -> list[Any]:
+    from crosstrain.plugins.moe.rules import RULES
+
+    return list(RULES)

@@ -6,7 +6,6 @@ from typing import Any
 
 from torch import nn
 
-from crosstrain.errors import ConfigError
 from crosstrain.plugins.moe.config import MoESection
 from crosstrain.plugins.moe.transform import to_moe
 
@@ -17,12 +16,7 @@ def transform(model: nn.Module, config: Any) -> nn.Module | None:
     assert isinstance(cfg, MoESection)
     if not cfg.experts:
         return None
-    if config.parallel.pp > 1:
-        raise ConfigError(f"moe.experts={cfg.experts} with parallel.pp={config.parallel.pp}: MoE balancing losses "
-                          "are not supported under pipeline parallelism yet; set parallel.pp=1")
-    ep = config.parallel.ep
-    if cfg.experts % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide moe.experts={cfg.experts}; pick a divisor")
+    # layouts MoE cannot run on were refused before any worker started (plugins/moe/rules.py)
     # upcycling copies the dense MLP into each expert: the experts keep the dense hidden size
     hidden = (cfg.expert_dim or getattr(getattr(model, "config", None), "hidden_dim", 0)) if cfg.upcycle_from else 0
     moe = to_moe(model, cfg, seed=config.train.seed, hidden=hidden)

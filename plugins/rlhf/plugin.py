@@ -47,8 +47,6 @@ def crosstrain_transform_model(model: Any, config: Any, name: str) -> Any:
     from crosstrain.errors import ConfigError
     from crosstrain.plugins.rlhf.lora import add_lora
 
-    if config.parallel.tp > 1:
-        raise ConfigError("[lora] supports parallel.tp=1 (DDP/FSDP2); set parallel.tp=1 or lora.rank=0")
     if not add_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=list(lora.targets)):
         raise ConfigError(f"lora.targets={list(lora.targets)} matches no nn.Linear of model {name!r}; "
                           "use names such as wq, wk, wv, wo, w1, w2, w3")
@@ -73,3 +71,10 @@ def crosstrain_export_state_dict(state_dict: dict[str, Any], config: Any) -> Non
     merged = merge_lora(state_dict, lora.alpha / lora.rank)
     state_dict.clear()
     state_dict.update(merged)
+
+
+@hookimpl
+def crosstrain_refusal_rules() -> list[Any]:
+    from crosstrain.plugins.rlhf.rules import RULES
+
+    return list(RULES)

@@ -62,10 +62,7 @@ class RLHFRecipe(Recipe):
         from crosstrain.data.hf_tokenizer import load_tokenizer
 
         sec = _section(config)
-        if config.parallel.pp > 1:
-            raise ConfigError(f"--recipe {self.name} does not support pipeline parallelism; set parallel.pp=1")
-        if config.data.packing != "concat":
-            raise ConfigError(f"--recipe {self.name} pads pairs and does not pack documents; set data.packing='concat'")
+        # pp, packing and head-vs-tp combinations: plugins/rlhf/rules.py, checked before any worker starts
         max_length = sec.max_length or config.train.seq_len
         if not config.model.import_path and max_length > gpt_config(config).max_seq_len + 1:
             raise ConfigError(f"rlhf.max_length={max_length} exceeds the model's max_seq_len+1; lower "
@@ -164,9 +161,8 @@ class RewardRecipe(RLHFRecipe):
         if getattr(model, "output", None) is None or getattr(model, "config", None) is None:
             raise ConfigError("--recipe rm needs the built-in GPT (it replaces its output head); "
                               "unset model.import_path")
-        if context.config.parallel.tp > 1 or model.config.tie_embeddings:  # type: ignore[union-attr]
-            raise ConfigError("--recipe rm needs parallel.tp=1 and model.tie_embeddings=false (its scalar head "
-                              "replaces the LM head)")
+        if model.config.tie_embeddings:  # type: ignore[union-attr]  # (tp > 1: refused in plugins/rlhf/rules.py)
+            raise ConfigError("--recipe rm needs model.tie_embeddings=false (its scalar head replaces the LM head)")
         dim = int(model.config.dim)  # type: ignore[union-attr, arg-type]
         head = nn.Linear(dim, 1, bias=False)
         nn.init.normal_(head.weight, std=dim**-0.5)

@@ -28,8 +28,6 @@ class PPORecipe(RLRecipe):
     name = "ppo"
 
     def validate_loss(self, config: Config) -> None:
-        if config.parallel.tp > 1:
-            raise ConfigError("--recipe ppo needs parallel.tp=1 (its value head replaces the LM head)")
         if config.model.tie_embeddings:
             raise ConfigError("--recipe ppo needs model.tie_embeddings=false (its value head replaces the LM head)")
 

@@ -79,10 +79,7 @@ class RLRecipe(Recipe):
         from crosstrain.data.hf_tokenizer import load_tokenizer
 
         sec, rew = config.section("rl"), config.section("reward")
-        if config.parallel.pp > 1:
-            raise ConfigError(f"--recipe {self.name} does not support pipeline parallelism; set parallel.pp=1")
-        if config.section("lora").rank:
-            raise ConfigError(f"--recipe {self.name} does not support [lora] yet; set lora.rank=0")
+        # pp and [lora]: refused before any worker starts (the core's pp-recipe rule, plugins/rlhf/rules.py)
         if config.model.import_path:
             raise ConfigError(f"--recipe {self.name} needs the built-in GPT (generation and value/reward heads); "
                               "unset model.import_path")
@@ -171,11 +168,7 @@ class RLRecipe(Recipe):
         self.rng = SamplingRNG(config.train.seed)
         self.kl_ctl = AdaptiveKLController(self.sec.beta, self.sec.kl_target, self.sec.kl_horizon)
         self.grad_accum = config.train.grad_accum
-        micro = config.train.batch_size // (dp_size * self.grad_accum)
-        if micro % self.sec.num_generations or not micro:
-            raise ConfigError(f"train.batch_size={config.train.batch_size} counts completions: each micro-batch "
-                              f"(batch_size / (dp={dp_size} x grad_accum={self.grad_accum}) = {micro}) must be a "
-                              f"multiple of rl.num_generations={self.sec.num_generations}; change one of them")
+        # a micro-batch holds whole groups of completions: refused otherwise (rl-groups, plugins/rlhf/rules.py)
         self.dp_rank, self.dp = dp_rank, dp_size
         self.copies = max(1, world_size // dp_size)  # ranks holding the same data (tp peers)
         self.gen_config = GenerationConfig(max_new_tokens=self.sec.max_new_tokens, stop_tokens=self.stop_tokens)

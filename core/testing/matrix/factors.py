@@ -1,0 +1,106 @@
+"""The matrix's factors, what each value sets, and a cell's config overrides and 1-process reference."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+#: every factor and its values, in table order; a cell takes one value of each.
+FACTORS: dict[str, tuple[str, ...]] = {
+    "recipe": ("lm", "sft", "rm", "dpo", "grpo", "ppo"),
+    "layout": ("1", "dp_replicate=2", "dp_shard=2", "tp=2", "pp=2", "ep=2", "dp_shard=2,tp=2"),
+    "optim": ("auto", "torch"),
+    "kernels": ("auto", "reference"),
+    "packing": ("concat", "documents"),
+    "moe": ("off", "on"),
+    "lora": ("off", "on"),
+    "precision": ("fp32", "bf16"),
+    "grad_accum": ("1", "2"),
+}
+
+#: the run-time factors (no rule refuses any of their values here) are covered pairwise even by ``--full``; the
+#: others, whose combinations the rules refuse, are crossed exhaustively there (see docs/parallelism.md).
+RUNTIME_FACTORS = ("optim", "kernels", "precision", "grad_accum")
+
+#: layout -> (world size, data-parallel degree, parallel.* overrides)
+LAYOUTS: dict[str, tuple[int, int, tuple[str, ...]]] = {
+    "1": (1, 1, ()),
+    "dp_replicate=2": (2, 2, ("parallel.dp_replicate=2", "parallel.dp_shard=1")),
+    "dp_shard=2": (2, 2, ("parallel.dp_shard=2",)),
+    "tp=2": (2, 1, ("parallel.tp=2", "parallel.dp_shard=1")),
+    "pp=2": (2, 1, ("parallel.pp=2", "parallel.dp_shard=1")),
+    "ep=2": (2, 2, ("parallel.dp_shard=2", "parallel.ep=2")),
+    "dp_shard=2,tp=2": (4, 2, ("parallel.dp_shard=2", "parallel.tp=2")),
+}
+
+#: recipes that sample: a micro-batch's rollouts are drawn from a generator keyed by its place in the step,
+#: ``dp_rank x grad_accum + i`` (plugins/rlhf/rl/rollout.py), so their 1-process reference runs
+#: ``grad_accum x dp`` micro-batches: the same samples in the same micro-batches as the layout.
+SAMPLING_RECIPES = ("grpo", "ppo")
+
+#: the cheap run every cell starts from: 2 layers of width 32 (pp=2 gets a layer each, tp=2 a head each), batch
+#: 8 x 32 tokens (divisible by dp 2 x accumulation 2), 8 steps, nothing written but what the loop must write.
+BASE = (
+    "model.n_layers=2", "model.dim=32", "model.n_heads=2", "train.batch_size=8", "train.seq_len=32",
+    "train.steps=8", "schedule.warmup_steps=2", "eval.every=0", "checkpoint.final=false",
+    "logging.progress=none", "logging.tensorboard=false", "observability.per_rank=false", "parallel.compile=false",
+    "backend=cpu", "rlhf.max_length=32", "rlhf.max_prompt_length=24", "rl.num_generations=2",
+    "rl.max_new_tokens=8", "rl.stop=",
+)
+
+#: what "on" sets for MoE and LoRA
+MOE_ON = ("moe.experts=4",)
+LORA_ON = ("lora.rank=4",)
+
+#: the logged metrics compared with the 1-process reference at every step and their largest relative difference:
+#: fp32 differs only in reduction order (the gradient norm, a sum over every parameter, a little more); bf16 rounds
+#: activations to 8 mantissa bits (2^-8 = 3.9e-3 per op). GRPO's loss is 0 by construction on the first pass over
+#: a rollout; its gradient norm is not.
+TOLERANCE = {"fp32": {"loss": 1e-5, "grad_norm": 1e-4}, "bf16": {"loss": 2e-2, "grad_norm": 1e-1}}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One combination of factor values (strings, as in :data:`FACTORS`)."""
+
+    recipe: str
+    layout: str
+    optim: str
+    kernels: str
+    packing: str
+    moe: str
+    lora: str
+    precision: str
+    grad_accum: str
+
+    @classmethod
+    def from_row(cls, row: tuple[str, ...]) -> Cell:
+        return cls(*row)
+
+    def row(self) -> tuple[str, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def world(self) -> int:
+        return LAYOUTS[self.layout][0]
+
+    @property
+    def dp(self) -> int:
+        return LAYOUTS[self.layout][1]
+
+    def overrides(self) -> list[str]:
+        """The ``--set`` items of this cell (``BASE`` first)."""
+        out = [*BASE, f"train.recipe={self.recipe}", *LAYOUTS[self.layout][2], f"optim.impl={self.optim}",
+               f"kernels.mode={self.kernels}", f"data.packing={self.packing}", f"precision.dtype={self.precision}",
+               f"train.grad_accum={self.grad_accum}"]
+        return [*out, *(MOE_ON if self.moe == "on" else ()), *(LORA_ON if self.lora == "on" else ())]
+
+    def reference(self) -> Cell:
+        """The same config on one process (for :data:`SAMPLING_RECIPES`, with ``grad_accum x dp`` micro-batches)."""
+        accum = int(self.grad_accum) * (self.dp if self.recipe in SAMPLING_RECIPES else 1)
+        return replace(self, layout="1", grad_accum=str(accum))
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+assert tuple(f.name for f in fields(Cell)) == tuple(FACTORS), "Cell's fields are the factors, in order"
