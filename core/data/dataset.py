@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crosstrain.errors import ConfigError
+from crosstrain.errors import ConfigError, CrosstrainWarning
 
 
 class TokenDataset:
@@ -65,7 +65,7 @@ def build_datasets(data_cfg: Any, seq_len: int) -> tuple[TokenDataset, TokenData
     fraction = 0.0 if data_cfg.val_path else float(data_cfg.val_fraction)
     if fraction and starts is None:
         warnings.warn(f"data.path {source!r} records no document boundaries, so no validation split is held out; "
-                      "set data.val_path (or data.val_fraction=0 to silence this)", stacklevel=2)
+                      "set data.val_path (or data.val_fraction=0 to silence this)", CrosstrainWarning, stacklevel=2)
         fraction = 0.0
     split = split_documents(tokens, starts, fraction)
     info: dict[str, Any] = {"source": source, **split.info}
