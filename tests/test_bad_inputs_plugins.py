@@ -374,6 +374,22 @@ def test_real_processes_print_warnings_as_one_line(world) -> None:
     assert not (w / "runs").exists()
 
 
+def test_reward_fn_traceback_is_logged_for_verbose(world, capsys, caplog) -> None:
+    """The one line names the function and the step; the user's traceback goes to the INFO log, which
+    ``crosstrain -v`` prints (the catalogue above checks that stderr has none without it)."""
+    w, _, _ = world
+    argv = [*_tr("grpo", "reward.fn=bi_rewards:boom"), "--set", f"train.output_dir={w}/runs"]
+    caplog.set_level("INFO", logger="crosstrain.plugins.rlhf.rl.tasks")
+    try:
+        assert crosstrain_main(["-v", *argv]) == 2
+    finally:
+        shutil.rmtree(w / "runs", ignore_errors=True)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "crosstrain: error: reward.fn bi_rewards:boom raised RuntimeError: kaboom at step 1")
+    logged = [r for r in caplog.records if r.exc_info and "bi_rewards:boom" in r.getMessage()]
+    assert logged and "kaboom" in str(logged[0].exc_info[1])
+
+
 def test_plugin_catalogue_is_large_enough() -> None:
     assert len(CASES) >= 130 and len({c[0] for c in CASES}) == len(CASES)
 
