@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crosstrain.errors import ConfigError, CrosstrainWarning
+from crosstrain.errors import ConfigError
 
 
 class TokenDataset:
@@ -64,6 +64,8 @@ def build_datasets(data_cfg: Any, seq_len: int) -> tuple[TokenDataset, TokenData
         source, starts = str(data_cfg.path), document_starts(data_cfg.path, tokens)
     fraction = 0.0 if data_cfg.val_path else float(data_cfg.val_fraction)
     if fraction and starts is None:
+        from crosstrain.errors import CrosstrainWarning  # (one line on the CLI, not Python's two)
+
         warnings.warn(f"data.path {source!r} records no document boundaries, so no validation split is held out; "
                       "set data.val_path (or data.val_fraction=0 to silence this)", CrosstrainWarning, stacklevel=2)
         fraction = 0.0
