@@ -37,3 +37,7 @@ class CheckpointError(CrosstrainError):
 
 class CollectiveError(CrosstrainError):
     """A collective failed: mismatched arguments across ranks, or a timeout (names the op and rank)."""
+
+
+class CrosstrainWarning(UserWarning):
+    """Input that works but probably not as meant; the CLI prints it as one ``crosstrain: warning:`` line."""

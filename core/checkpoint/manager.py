@@ -78,7 +78,7 @@ def read_pointer(folder: str | os.PathLike[str], name: str) -> str | None:
     """The ``step_N`` name a pointer file (``latest``, ``best``) holds, or None."""
     try:
         return (Path(folder) / name).read_text().strip() or None
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # gone, or garbage bytes: no pointer (best_problem says which)
         return None
 
 
@@ -94,6 +94,20 @@ def find_best(folder: str | os.PathLike[str]) -> CheckpointInfo | None:
         return None
     path = Path(folder) / str(name)
     return CheckpointInfo(int(match.group(1)), path, True) if verify(path).ok else None
+
+
+def best_problem(folder: str | os.PathLike[str]) -> str:
+    """Why :func:`find_best` found nothing under ``folder``, with the fix (for a one-line error)."""
+    pointer = Path(folder) / BEST_FILE
+    if not pointer.exists():
+        return "no best checkpoint (train with checkpoint.keep_best=true)"
+    name = read_pointer(folder, BEST_FILE)
+    if not _STEP_RE.match(name or ""):
+        return (f"a best pointer {pointer} that names no step_N folder (it is corrupt); delete it, or write the "
+                "step_N name of the checkpoint to use into it")
+    problems = verify(Path(folder) / str(name)).problems or ["it is missing"]
+    return (f"a best pointer {pointer} naming {name}, which is unusable ({problems[0]}); drop --best, or write "
+            "the step_N name of a valid checkpoint into it")
 
 
 def first_valid(candidates: list[tuple[int, Path]], problems_of: Callable[[Path], list[str]], *,

@@ -17,7 +17,7 @@ import torch
 
 from crosstrain.errors import CheckpointError
 
-_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "unexpected pos")
+_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "unexpected pos", "file too large")
 
 
 class NoSpaceError(CheckpointError):
@@ -54,11 +54,26 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n < 1e8 else f"{n / 1e6:,.0f} MB"
 
 
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``, RLIMIT_FSIZE), or None when there is none."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
 def no_space(path: str | os.PathLike[str], needed: int, rank: int | None = None) -> NoSpaceError:
     """The one-line error; ``rank``: the rank whose write failed (multi-process saves)."""
     free = free_bytes(path)
     room = f", {_mb(free)} free" if free is not None else ""
     where = f" (rank {rank})" if rank is not None else ""
+    limit = file_size_limit()
+    if limit is not None and (free is None or free >= needed):  # the disk has room: the limit stopped the write
+        return NoSpaceError(f"a file-size limit (ulimit -f, {_mb(limit)}) stopped a checkpoint write at {path}{where} "
+                            f"(needed about {_mb(needed)}{room}); raise it (ulimit -f unlimited); the previous "
+                            "checkpoint and 'latest' are still valid")
     return NoSpaceError(f"no space left on device at {path}{where} (needed about {_mb(needed)}{room}); free some "
                         "space or lower checkpoint.keep_last; the previous checkpoint and 'latest' are still valid")
 
@@ -71,7 +86,8 @@ def check(path: str | os.PathLike[str], needed: int) -> NoSpaceError | None:
 
 def looks_like_no_space(error: BaseException | str, path: str | os.PathLike[str], needed: int) -> bool:
     """Whether a failed write failed for want of space: its errno or text says so, or the disk is now full."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC),
+                                                      errno.EFBIG):
         return True
     if any(text in str(error).lower() for text in _NO_SPACE_TEXT):
         return True

@@ -172,7 +172,14 @@ def check_static(config: Config) -> None:
         if config.data.path == "" and gpt.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={gpt.vocab_size} is too small for the byte-level corpus (needs 256)")
     if config.data.path and not Path(config.data.path).is_file():
+        if t.recipe != "lm":  # a recipe's own file (JSONL rows), not a token file
+            raise ConfigError(f"data.path {config.data.path!r} does not exist; fix the path of the file recipe "
+                              f"{t.recipe!r} reads, or leave data.path empty for its embedded data")
         raise ConfigError(f"data.path {config.data.path!r} does not exist; create it with 'crosstrain data prepare'")
+    profile = config.observability.profile_steps
+    if profile and int(profile.split(":")[1]) > t.steps:
+        raise ConfigError(f"observability.profile_steps={profile} ends after the last step (train.steps={t.steps}), "
+                          f"so nothing would be profiled; pick A:B with B <= {t.steps}")
     if config.precision.dtype == "fp16" and config.optim.offload:
         raise ConfigError("precision.dtype='fp16' cannot be combined with optim.offload=true; use bf16 or fp32")
 

@@ -8,6 +8,7 @@ embedded corpus, tuned to reach well under 60% of the initial loss in about a mi
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -165,6 +166,14 @@ class ObservabilityConfig(Section):
     prometheus_port: int = Field(default=0, ge=0, le=65535, description="serve metrics for Prometheus on this "
                                  "port from rank 0 (0 = off; needs the observability extra)")
     prometheus_host: str = Field(default="127.0.0.1", description='address to serve on ("0.0.0.0": every interface)')
+
+    @field_validator("prometheus_host")
+    @classmethod
+    def _host_is_an_address(cls, value: str) -> str:
+        # dotted digits are meant as an IPv4 address: 999.1.1.1 is a typo, not a host name to look up
+        if not value or (value.replace(".", "").isdigit() and not _is_ip(value)):
+            raise ValueError(f"{value!r} is not an IP address or host name (e.g. 127.0.0.1 or 0.0.0.0)")
+        return value
     mlflow: bool = Field(default=False, description="log params, metrics, events and the summary to MLflow from "
                          "rank 0 (needs the mlflow extra)")
     mlflow_tracking_uri: str = Field(default="", description='MLflow tracking store ("" = the file store '
@@ -179,6 +188,14 @@ class ObservabilityConfig(Section):
             raise ValueError('needs MLflow; install it with: pip install "crosstrain[mlflow]" (or set '
                              "observability.mlflow=false)")
         return value
+
+
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
 
 
 #: core sections, in the order they are written to config.toml.

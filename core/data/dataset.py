@@ -65,8 +65,10 @@ def build_datasets(data_cfg: Any, seq_len: int) -> tuple[TokenDataset, TokenData
         source, starts = str(data_cfg.path), document_starts(data_cfg.path, tokens)
     fraction = 0.0 if data_cfg.val_path else float(data_cfg.val_fraction)
     if fraction and starts is None:
+        from crosstrain.errors import CrosstrainWarning  # (one line on the CLI, not Python's two)
+
         warnings.warn(f"data.path {source!r} records no document boundaries, so no validation split is held out; "
-                      "set data.val_path (or data.val_fraction=0 to silence this)", stacklevel=2)
+                      "set data.val_path (or data.val_fraction=0 to silence this)", CrosstrainWarning, stacklevel=2)
         fraction = 0.0
     split = split_documents(tokens, starts, fraction)
     info: dict[str, Any] = {"source": source, **split.info}

@@ -38,13 +38,21 @@ def _describe(path: str, mtime_ns: int) -> dict[str, Any]:
         doc = json.loads(raw)
     except ValueError as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc})") from None
-    ids = [int(v) for v in (doc.get("model", {}).get("vocab") or {}).values()]
-    ids += [int(t["id"]) for t in doc.get("added_tokens", [])]
+    try:
+        vocab = doc["model"]["vocab"]
+        # BPE/WordPiece map token -> id; Unigram lists [piece, score] pairs in id order
+        ids = list(range(len(vocab))) if isinstance(vocab, list) else [int(v) for v in vocab.values()]
+        ids += [int(t["id"]) for t in doc.get("added_tokens", [])]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        ids = []
+    if not ids:
+        raise ConfigError(f"{path} is not a Hugging Face tokenizer.json (it needs a model.vocab of token ids); "
+                          "train one with 'crosstrain tokenizer train' or use a Hugging Face tokenizer folder")
     folder = Path(path).parent
     eos = _special(folder, "eos_token")
     eos_id = next((int(t["id"]) for t in doc.get("added_tokens", []) if t.get("content") == eos), None)
     return {"type": "hf", "path": str(folder.resolve()), "sha256": hashlib.sha256(raw).hexdigest(),
-            "vocab_size": max(ids) + 1 if ids else 0, "eos_id": eos_id,
+            "vocab_size": max(ids) + 1, "eos_id": eos_id,
             "eos_token": eos if eos_id is not None else None}
 
 
@@ -80,7 +88,11 @@ class HFTokenizer:
                               "pip install 'crosstrain[hf]'") from None
         self.info = describe_tokenizer(str(folder))
         self.path = Path(self.info["path"])
-        self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ConfigError(f"{self.path / 'tokenizer.json'} cannot be loaded by tokenizers ({exc}); train one with "
+                              "'crosstrain tokenizer train' or use a Hugging Face tokenizer folder") from None
         self.vocab_size = int(self.info["vocab_size"])
         self.eos_id: int | None = self.info["eos_id"]
         self.name = f"{self.path.name} ({self.info['sha256'][:12]})"

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from crosstrain.data.sources import Unit, iter_documents, plan_units
+from crosstrain.errors import ConfigError
 
 _STATE: dict[str, Any] = {}
 
@@ -84,6 +85,7 @@ def prepare(
         nonlocal written
         for path, tokens, starts in results:
             if written == 0 and len(starts):  # the file's first document has no separator before it
+                remove_manifest(out)  # (and the old manifest goes with the old data it describes)
                 tokens, starts = tokens[len(separator):], starts - len(separator)
             all_starts.append(starts + written)
             stats = per_input.setdefault(path or "<embedded corpus>", {"documents": 0, "tokens": 0})
@@ -91,8 +93,10 @@ def prepare(
             stats["tokens"] += len(tokens)
             written += len(tokens)
             yield tokens
+        if written == 0:  # raised inside write_token_file: its temp file goes, an existing out stays as it was
+            raise ConfigError(f"the inputs hold no text to tokenise (no non-empty {text_field!r} documents); nothing "
+                              f"written to {out}")
 
-    remove_manifest(out)
     if workers > 1:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         with ctx.Pool(workers, initializer=_init_worker, initargs=args) as pool:

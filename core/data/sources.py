@@ -49,7 +49,11 @@ def _parquet_file(path: str):  # type: ignore[no-untyped-def]
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError(f"{path}: reading Parquet needs pyarrow; pip install 'crosstrain[hf]'") from None
-    return pq.ParquetFile(path)
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:  # ArrowInvalid is a ValueError
+        raise ConfigError(f"{path} is not a Parquet file ({exc}); give it another suffix if it is text, or "
+                          "convert it") from None
 
 
 def plan_units(paths: list[str]) -> list[Unit]:
@@ -105,10 +109,16 @@ def _parquet(unit: Unit, field: str) -> Iterator[str]:
     if field not in pf.schema_arrow.names:
         raise ConfigError(f"{unit.path} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                           "name the text column with --text-field")
+    import pyarrow as pa
+
+    kind = pf.schema_arrow.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):  # as JSONL refuses a non-string field
+        raise ConfigError(f"{unit.path}: column {field!r} holds {kind}, not strings; name the text column with "
+                          "--text-field")
     for g in range(unit.start, unit.end):
         for text in pf.read_row_group(g, columns=[field]).column(field).to_pylist():
             if text is not None:
-                yield str(text)
+                yield text
 
 
 def iter_documents(unit: Unit, field: str = "text") -> Iterator[str | bytes]:

@@ -16,7 +16,7 @@ from crosstrain.errors import CheckpointError, ConfigError
 
 def resolve_checkpoint(path: str | Path, *, best: bool = False) -> tuple[Path, Path]:
     """``(run_dir, step_dir)`` for a run dir, its ``checkpoints/`` folder or a ``step_N`` folder."""
-    from crosstrain.checkpoint.manager import find_best, find_latest
+    from crosstrain.checkpoint.manager import best_problem, find_best, find_latest
 
     p = Path(path)
     if not p.exists():
@@ -28,8 +28,9 @@ def resolve_checkpoint(path: str | Path, *, best: bool = False) -> tuple[Path, P
     folder = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     info = find_best(folder) if best else find_latest(folder)
     if info is None:
-        what = "no valid best checkpoint (train with checkpoint.keep_best=true)" if best else "no valid checkpoint"
-        raise ConfigError(f"{str(p)!r} has {what}; pass a run dir with checkpoints or a step_N folder")
+        if best:
+            raise ConfigError(f"{str(p)!r} has {best_problem(folder)}")
+        raise ConfigError(f"{str(p)!r} has no valid checkpoint; pass a run dir with checkpoints or a step_N folder")
     return folder.parent, info.path
 
 

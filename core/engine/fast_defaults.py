@@ -19,6 +19,11 @@ from typing import Any
 
 import torch
 
+from crosstrain.checkpoint.space import file_size_limit
+from crosstrain.errors import ConfigError
+
+#: files the C++ compiler writes for one compiled block reach tens of MB; a file-size limit below this kills it.
+COMPILE_FILE_BYTES = 1 << 30
 #: a cold per-block inductor compile of a GPT on the host, forward and backward (measured: 20-60 s on 2 cores).
 COLD_COMPILE_S = 40.0
 #: the share of a step compile is expected to save (fused element-wise ops around the matmuls).
@@ -103,6 +108,13 @@ def decide_compile(requested: Any, dims: Any, has_units: bool, steps: int, est_s
     """Whether to compile (see the module docstring); ``requested`` is ``parallel.compile``."""
     if requested is False:
         return CompileChoice(False, "parallel.compile=false", key)
+    limit = file_size_limit()
+    if limit is not None and limit < COMPILE_FILE_BYTES:  # the C++ compiler dies of SIGXFSZ writing its objects
+        if requested != "auto":
+            raise ConfigError(f"parallel.compile={requested!r} cannot compile under a file-size limit of "
+                              f"{limit >> 20} MB (ulimit -f): the C++ compiler cannot write its files; raise it "
+                              "(ulimit -f unlimited) or set parallel.compile=false")
+        return CompileChoice(False, f"a file-size limit (ulimit -f, {limit >> 20} MB) stops the C++ compiler", key)
     if requested is not True and requested != "auto":
         return CompileChoice(True, f"parallel.compile={requested!r}", key)
     if requested is True:

@@ -47,7 +47,7 @@ class RankMetricsWriter:
         self.rank = rank
         self.path = rank_file(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step and self.path.exists():
+        if self.path.exists():  # records after the step it starts from (0: a fresh start) were rolled back
             _drop_records_after(self.path, resume_step)
         self._fh: TextIO | None = self.path.open("a", buffering=1)
         self._last: float | None = None

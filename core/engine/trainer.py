@@ -197,10 +197,10 @@ class Trainer:
         self._resume()
         if self.complete_at is not None:
             return  # nothing to train: the run dir stays exactly as it is
-        if self.is_main:  # only now: a rejected resume must leave the run's config as it was
-            save_config(cfg, self.run_dir)
         self.context.resume_step = self.counters.step
         self._setup_metrics()
+        if self.is_main:  # only now: a rejected resume or a busy metrics port must leave the run's config as it was
+            save_config(cfg, self.run_dir)
         self.rank_metrics = RankMetrics.for_run(cfg, self.run_dir, self.rank, self.world_size, self._emit,
                                                 self.counters.step)
         self.hang_watchdog = HangWatchdog.for_run(cfg, self.run_dir, self.rank, self._emit, self.counters.step)
@@ -422,8 +422,12 @@ class Trainer:
             return
         cfg = self.config.logging
         assert self.run_dir is not None
+        # plugin sinks first: one that cannot start (a Prometheus port in use) stops the run before any file changes
+        plugin_sinks = [sink for _, sinks in pluginmanager.call_each("crosstrain_metrics_sinks", config=self.config)
+                        for sink in sinks or []]
         resumed = self.counters.step or None  # a resumed run: later records belong to rolled-back work
-        self.metrics.add(JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resumed))
+        # a fresh start (step 0) drops the records of an attempt killed before its first checkpoint too
+        self.metrics.add(JsonlSink(self.run_dir / "metrics.jsonl", resume_step=self.counters.step))
         self.metrics.add(EventsFileSink(self.run_dir / "events.jsonl"))
         split = self.recipe.data_split()
         if split:  # how the data was split into training and held-out parts
@@ -437,9 +441,8 @@ class Trainer:
             self.metrics.add(PlainConsoleSink(self.config.train.steps, cfg.every))
         if cfg.tensorboard and tensorboard_available():
             self.metrics.add(TensorBoardSink(self.run_dir / "tensorboard", resume_step=resumed))
-        for _, sinks in pluginmanager.call_each("crosstrain_metrics_sinks", config=self.config):
-            for sink in sinks or []:
-                self.metrics.add(sink)
+        for sink in plugin_sinks:
+            self.metrics.add(sink)
         self.metrics.open(SinkInfo(run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
                                    resume_step=self.counters.step))
         for step, name, fields in self._early_events:
@@ -572,9 +575,13 @@ class Trainer:
             return consecutive
         info = self.checkpoints.latest_together() if self.checkpoints is not None else None
         if info is None:
+            every = self.config.checkpoint.every
+            # checkpoints are on but none was reached yet: the lr, not the checkpoint setting, is what to change
+            fix = (f"lower optim.lr (now {self.config.optim.lr:g}); it diverged before the first checkpoint "
+                   f"(checkpoint.every={every})") if every else "lower optim.lr or set checkpoint.every"
             raise TrainingError(
                 f"loss or gradients were non-finite for {consecutive} consecutive steps (up to step {self.step}) "
-                "and there is no checkpoint to roll back to; lower optim.lr or set checkpoint.every"
+                f"and there is no checkpoint to roll back to; {fix}"
             )
         if self._rollbacks_this_run >= self.config.fault.max_rollbacks:
             raise TrainingError(

@@ -53,9 +53,9 @@ def crosstrain_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
     folder, a checkpoints folder or a run dir: the newest valid checkpoint), and the resolved source path."""
     source = crosstrain_weights_source(path)
     if source.is_file():
-        from safetensors.torch import load_file
+        from crosstrain.models.hf.weights import load_safetensors
 
-        return load_file(str(source)), str(source)
+        return load_safetensors(source), str(source)
     from crosstrain.checkpoint.consolidate import load_consolidated
     from crosstrain.errors import CheckpointError
 
@@ -81,6 +81,13 @@ def crosstrain_weights_source(path: str) -> Any:
     try:
         return resolve(p).path.resolve()
     except CheckpointError as exc:
+        if (p / "config.json").is_file() and not (p / "checkpoints").is_dir():  # meant as a Hugging Face folder
+            from crosstrain.models.hf import read_hf_config
+
+            read_hf_config(p)  # a broken config.json is the problem, not a missing checkpoint
+            raise ConfigError(f"model.init_from {path!r}: its config.json has no model_type, so it is not a Hugging "
+                              "Face model folder, and it holds no checkpoint; fix config.json or pass a run dir") \
+                from None
         raise ConfigError(f"model.init_from {path!r}: {exc}") from None
 
 

@@ -32,6 +32,9 @@ def to_moe(model: nn.Module, cfg: MoESection, seed: int = 0, hidden: int = 0) ->
     if not isinstance(layers, nn.ModuleDict) or gpt is None or not hasattr(gpt, "dim"):
         raise ConfigError(f"moe.experts={cfg.experts} needs the built-in GPT (blocks under model.layers with a "
                           f"feed_forward), not {type(model).__name__}; set moe.experts=0 for this model")
+    if cfg.every > gpt.n_layers:  # (index + 1) % every == 0 for no block: a dense model under an MoE config
+        raise ConfigError(f"moe.every={cfg.every} exceeds model.n_layers={gpt.n_layers}, so no block would be an MoE "
+                          f"layer; set moe.every <= {gpt.n_layers}")
     hidden = hidden or expert_hidden(gpt.hidden_dim, cfg.top_k, cfg.shared_experts, cfg.expert_dim)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * gpt.n_layers)
     for key, block in layers.items():

@@ -29,9 +29,13 @@ class _AsSet(argparse.Action):
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from crosstrain.errors import ConfigError
     from crosstrain.plugins.observability.report import write_report
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; pass a folder (the report is FOLDER/report.html with a PNG "
+                          "per plot)")
     path = write_report(args.run_dirs, out)
     print(f"crosstrain: report written to {path} (and one PNG per plot in {out})")
     return 0

@@ -28,6 +28,13 @@ GAUGES = {
 
 
 def port_in_use_message(host: str, port: int, exc: OSError) -> str:
+    import errno
+    import socket
+
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:  # the host is at fault, not the port
+        return (f"crosstrain: error: [observability] prometheus_host {host!r} is not an address of this machine "
+                f"({exc.strerror or exc}); set observability.prometheus_host to 127.0.0.1, 0.0.0.0 or one of its "
+                "addresses")
     return (f"crosstrain: error: [observability] prometheus_port {port} on {host} is not free ({exc.strerror or exc}); "
             "pick another port (--set observability.prometheus_port=N) or 0 to turn the exporter off")
 

@@ -165,6 +165,12 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     """Write ``report.html`` and ``<panel id>.png`` for every panel into ``out_dir``; returns the HTML path."""
     plt = _pyplot()
     runs = [load_run(d) for d in run_dirs]
+    empty = [r for r in runs if not r.metrics]
+    if empty:  # nothing to plot (matplotlib would only warn about empty axes)
+        from crosstrain.errors import ConfigError
+
+        raise ConfigError(f"{str(empty[0].path)!r} has no step records in metrics.jsonl yet; run the report once "
+                          "the run has logged a step (or leave that run dir out)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sections = []

@@ -20,6 +20,7 @@ needs no key mask, and ``loss_mask`` is 1 only on completion tokens.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crosstrain.errors import ConfigError
+from crosstrain.errors import ConfigError, CrosstrainWarning
 
 ROLES = ("system", "user", "assistant")
 GENERATION_PROMPT = "<|assistant|>\n"
@@ -115,11 +116,22 @@ def read_jsonl(path: str, parse: Any, *, skip_bad_rows: bool) -> tuple[list[Any]
     if not p.is_file():
         raise ConfigError(f"{path} does not exist; point data.path at a JSONL file (or leave it empty for the "
                           "embedded task)")
-    with p.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+    from crosstrain.data.tokenfile import MAGIC
+
+    with p.open("rb") as f:
+        if f.read(len(MAGIC)) == MAGIC:
+            raise ConfigError(f"{path} is a crosstrain token file (for --recipe lm); data.path of this recipe is a "
+                              "JSONL file of rows (docs/rlhf.md), or empty for the embedded task")
+        f.seek(0)
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise RowError(f"not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as "
+                                   "UTF-8") from None
                 try:
                     obj = json.loads(line)
                 except ValueError as exc:
@@ -231,6 +243,18 @@ class PreferenceDataset:
 
 def encode_sft(tokenizer: Any, rows: list[tuple[str, str]], max_length: int, max_prompt_length: int) -> SFTDataset:
     return SFTDataset([encode(tokenizer, p, c, max_length, max_prompt_length) for p, c in rows])
+
+
+def check_ties(dataset: PreferenceDataset, source: str) -> None:
+    """Pairs whose chosen and rejected tokens are equal (as truncated) carry no preference: the DPO and
+    Bradley-Terry gradients vanish on them. All such pairs is an error, some a warning."""
+    ties = sum(bool(np.array_equal(c.ids, r.ids)) for c, r in dataset.pairs)
+    if ties and ties == len(dataset.pairs):
+        raise ConfigError(f"every training pair of {source} has chosen == rejected (after truncation), so there is "
+                          "nothing to learn; fix the data (or raise rlhf.max_length if they differ later)")
+    if ties:
+        warnings.warn(f"{ties} of {len(dataset.pairs)} training pairs of {source} have chosen == rejected (after "
+                      "truncation) and teach nothing", CrosstrainWarning, stacklevel=2)
 
 
 def encode_preferences(tokenizer: Any, rows: list[tuple[str, str, str]], max_length: int,

@@ -41,12 +41,20 @@ def crosstrain_config_sections() -> dict[str, type]:
 def crosstrain_transform_model(model: Any, config: Any, name: str) -> Any:
     """``[lora] rank > 0``: adapters on the trainable model of the rlhf recipes (base frozen); a reward model's
     scalar head stays trainable. Other recipes and models are returned unchanged."""
+    from crosstrain.errors import ConfigError
+
     lora = config.section("lora")
     if not lora.rank or config.train.recipe not in NAMES or name not in ADAPTED:
         return model  # (export rebuilds the run's model as "model" from weights with the adapters merged)
-    from crosstrain.errors import ConfigError
+    from torch import nn
+
     from crosstrain.plugins.rlhf.lora import add_lora
 
+    smallest = min((min(m.in_features, m.out_features) for n, m in model.named_modules()
+                    if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in lora.targets), default=0)
+    if smallest and lora.rank > smallest:  # a rank above a layer's smaller side adds parameters, not expressiveness
+        raise ConfigError(f"lora.rank={lora.rank} exceeds the smallest adapted layer's dimension ({smallest}); set "
+                          f"lora.rank <= {smallest}")
     if not add_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=list(lora.targets)):
         raise ConfigError(f"lora.targets={list(lora.targets)} matches no nn.Linear of model {name!r}; "
                           "use names such as wq, wk, wv, wo, w1, w2, w3")

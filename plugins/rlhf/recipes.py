@@ -87,6 +87,7 @@ class RLHFRecipe(Recipe):
         self.dataset = encode(self.tokenizer, rows, max_length, max_prompt)
         if self.kind == "preference":
             self.dataset.with_prompts = False  # only eval generates from the prompts
+            rdata.check_ties(self.dataset, source)
         self.eval_dataset = encode(self.tokenizer, val, max_length, max_prompt)
         self.embedded = not config.data.path
         if not config.model.import_path and self.tokenizer.vocab_size > gpt_config(config).vocab_size:

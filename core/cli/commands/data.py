@@ -14,6 +14,11 @@ def prepare(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"input file {missing[0]!r} does not exist")
     out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"--out {args.out!r} is a folder; pass a file name (e.g. {str(out / 'data.bin')!r})")
+    empty = [f for f in args.files if Path(f).stat().st_size == 0]
+    if empty:
+        raise ConfigError(f"input file {empty[0]!r} is empty; pass files with text in them")
     if not out.parent.is_dir():
         raise ConfigError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
     if args.workers < 0:

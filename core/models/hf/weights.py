@@ -9,10 +9,12 @@ Only safetensors and JSON are read, so loading never executes code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,12 +45,29 @@ def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
     raise ConfigError(f"{root} has no {SINGLE} or {INDEX}; it is not a Hugging Face model folder")
 
 
+@contextlib.contextmanager
+def open_safetensors(path: str | os.PathLike[str]) -> Iterator[Any]:
+    """``safe_open(path)``, a truncated or garbage file (``SafetensorError``) raised as one ConfigError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            yield fh
+    except SafetensorError as exc:
+        raise ConfigError(f"{path} is not a readable safetensors file ({exc}): it is truncated or not safetensors; "
+                          "copy, download or export it again") from None
+
+
+def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (see :func:`open_safetensors` for a bad file)."""
+    with open_safetensors(path) as fh:
+        return {name: fh.get_tensor(name) for name in fh.keys()}
+
+
 def iter_tensors(folder: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for every tensor of the folder, one at a time (memory-mapped reads)."""
-    from safetensors import safe_open
-
     for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as fh:
+        with open_safetensors(path) as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
 

@@ -212,7 +212,9 @@ class RLRecipe(Recipe):
         texts = completion_texts(packed.tokens, packed.mask, packed.stopped, self.tokenizer)
         prompts = [self.prompt_text[split][i] for i in indices for _ in range(group)]
         if self.reward_fn is not None:
-            values = tasks.call_reward_fn(self.reward_fn, self.rew.fn, texts, prompts)
+            # training rollouts score the step in progress; evaluation the steps done so far
+            where = f"step {self.context.step + 1}" if split == "train" else f"the eval after step {self.context.step}"
+            values = tasks.call_reward_fn(self.reward_fn, self.rew.fn, texts, prompts, where)
         else:
             values = tasks.vowel_fraction(texts, prompts)
         return torch.tensor(values, dtype=torch.float32, device=device)

@@ -8,6 +8,7 @@ byte-level GPT starts near 5/256 (uniform bytes) and learns it within minutes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,9 +56,18 @@ def load_reward_fn(spec: str) -> RewardFn:
     return resolve_import_path(spec, key="reward.fn")  # type: ignore[no-any-return]
 
 
-def call_reward_fn(fn: RewardFn, spec: str, completions: list[str], prompts: list[str]) -> list[float]:
-    """``fn(completions, prompts)`` checked: one finite float per completion."""
-    out = list(fn(completions, prompts))
+def call_reward_fn(fn: RewardFn, spec: str, completions: list[str], prompts: list[str],
+                   where: str = "") -> list[float]:
+    """``fn(completions, prompts)`` checked: one finite float per completion. An exception it raises is one line
+    naming the function and ``where`` it was scoring (the step); its traceback is logged (``crosstrain -v``)."""
+    try:
+        out = list(fn(completions, prompts))
+    except Exception as exc:
+        logging.getLogger(__name__).info("reward.fn %s raised:", spec, exc_info=True)
+        at = f" at {where}" if where else ""
+        first = (str(exc).splitlines() or [""])[0]  # one line, whatever the user's message holds
+        raise ConfigError(f"reward.fn {spec} raised {type(exc).__name__}: {first}{at}; fix the function (run "
+                          "'crosstrain -v train ...' to see its traceback)") from None
     if len(out) != len(completions):
         raise ConfigError(f"reward.fn {spec} returned {len(out)} rewards for {len(completions)} completions; "
                           "return one float per completion")
