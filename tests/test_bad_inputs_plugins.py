@@ -59,11 +59,11 @@ CASES: list[tuple[str, list[str], str, str]] = [
     *[_cfg("sft", k, v) for k, v in [("lora.rank", "-1"), ("lora.alpha", "0"), ("lora.dropout", "1"),
                                       ("lora.dropout", "-0.5")]],
     ("lora-targets-none", _tr("sft", "lora.rank=4", 'lora.targets=["nope"]'), "matches no nn.Linear", ""),
-    ("lora-with-lm", _tr("lm", "lora.rank=4"), "not --recipe lm; set lora.rank=0", ""),
+    ("lora-with-lm", _tr("lm", "lora.rank=4"), "train.recipe='lm' would ignore it; set lora.rank=0", ""),
     ("lora-rank-above-dim", _tr("sft", "lora.rank=100000"), "lora.rank=100000 exceeds the smallest", ""),
     ("lora-rank-65", _tr("dpo", "lora.rank=65"), "set lora.rank <= 64", ""),
-    ("lora-with-grpo", _tr("grpo", "lora.rank=4"), "does not support [lora] yet", ""),
-    ("lora-with-ppo", _tr("ppo", "lora.rank=4"), "does not support [lora] yet", ""),
+    ("lora-with-grpo", _tr("grpo", "lora.rank=4"), "train.recipe='grpo' would ignore it", ""),
+    ("lora-with-ppo", _tr("ppo", "lora.rank=4"), "train.recipe='ppo' would ignore it", ""),
     # -- rl and reward sections
     *[_cfg("grpo", k, v) for k, v in [
         ("rl.num_generations", "0"), ("rl.max_new_tokens", "0"), ("rl.advantage", "gae"),
