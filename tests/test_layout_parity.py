@@ -5,7 +5,9 @@ within 1e-5 relative at every step:
   each rank's local shard): the vocab-sharded embedding's gradient arrives replicated and must be brought to
   the parameter's placements before the step;
 - the tiny MoE GPT with the default ``[moe]`` (balance loss over the global micro-batch) under ``parallel.ep=2``
-  and under plain FSDP2 (``dp_shard=2``), past the step where a per-rank balance loss drifts.
+  and under plain FSDP2 (``dp_shard=2``), past the step where a per-rank balance loss drifts;
+- LoRA (sft) on that MoE GPT under ``parallel.ep=2``: the experts, frozen with the base before expert parallelism
+  splits them, stay frozen on every rank (they trained under ep, and only there, when the split dropped the flag).
 
 The multi-rank runs share the session's 2 ranks (tests/shared_ranks.py: the trainer on an existing process
 group); the references run in this process on one thread, as a launched worker does.
@@ -26,11 +28,13 @@ SMALL = ["train.batch_size=4", "train.seq_len=32", "logging.progress=none", "sch
 DENSE = [*SMALL, "train.steps=4", "model.n_layers=2"]
 # tiny MoE: 8 experts, top-2, every other [moe] key default; 12 steps (a per-rank loss is 9e-4 off at step 2)
 MOE = [*SMALL, "train.steps=12", "model.n_layers=1", "moe.experts=8"]
+MOE_LORA = [*SMALL, "train.steps=6", "model.n_layers=1", "moe.experts=4", "train.recipe=sft", "lora.rank=4"]
 RUNS: dict[str, list[str]] = {
     "tp": [*DENSE, "parallel.tp=2"],
     "tp_offload": [*DENSE, "parallel.tp=2", "optim.offload=true"],  # the host optimizer reads local shards too
     "moe_ep": [*MOE, "parallel.ep=2"],
     "moe_fsdp": [*MOE, "parallel.dp_shard=2"],
+    "moe_lora_ep": [*MOE_LORA, "parallel.ep=2"],
 }
 
 
@@ -89,3 +93,9 @@ def test_default_moe_balance_loss_does_not_depend_on_the_layout(layout, two_rank
     run = two_ranks[layout]
     assert run["mesh"]["ep" if layout == "moe_ep" else "dp_shard"] == 2
     _same_losses(run["losses"], ref["losses"])
+
+
+def test_lora_on_moe_experts_over_ep_matches_one_process(two_ranks, tmp_path) -> None:
+    run = two_ranks["moe_lora_ep"]
+    assert run["mesh"]["ep"] == 2
+    _same_losses(run["losses"], _one_process(MOE_LORA, tmp_path / "ref")["losses"])

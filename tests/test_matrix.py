@@ -50,8 +50,6 @@ def test_docs_table_is_generated_from_the_rules():
 
 #: open defects the matrix found (strict: a known cell that passes fails the test, so the entry goes with the fix)
 KNOWN = {
-    "LoRA on an MoE model with experts over ep=2 drifts from 1 process (rel 5e-2 .. 0.9 in the loss)":
-        lambda c: c.lora == "on" and c.moe == "on" and c.layout == "ep=2",
     "grpo/ppo sample per micro-batch (rollout.py keys dp_rank x grad_accum + i) while MoE balances each micro-batch "
     "over all dp ranks, so no 1-process run has both the same samples and the same expert counts":
         lambda c: c.recipe in ("grpo", "ppo") and c.moe == "on" and c.dp > 1,

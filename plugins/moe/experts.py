@@ -21,6 +21,13 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
+def _sharded(old: nn.Parameter, shard: torch.Tensor, mesh: Any, dim: int) -> nn.Parameter:
+    """``shard`` as a DTensor parameter over ``mesh`` that keeps ``old``'s ``requires_grad``: a base frozen
+    before the split (LoRA) must stay frozen, or each rank trains its experts where one process does not."""
+    return nn.Parameter(DTensor.from_local(shard, mesh, [Shard(dim)], run_check=False),
+                        requires_grad=old.requires_grad)
+
+
 class _CopyToTP(torch.autograd.Function):
     """Megatron's ``f``: identity forward; backward all-reduces the input gradient, which each tp rank only
     computed through its own hidden columns."""
@@ -99,7 +106,7 @@ class GroupedExperts(nn.Module):
         for name in ("w1", "w3", "w2"):
             w = getattr(self, name)
             shard = w.detach()[rank * n:(rank + 1) * n].clone()
-            setattr(self, name, nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)))
+            setattr(self, name, _sharded(w, shard, ep_mesh, 0))
         self.ep_group, self.ep_rank, self.ep_size = ep_mesh.get_group(), rank, size
 
     def apply_tensor_parallel(self, tp_mesh: Any) -> None:
@@ -110,9 +117,9 @@ class GroupedExperts(nn.Module):
                               "to a multiple of it")
         rank, n = tp_mesh.get_local_rank(), hidden // size
         for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
-            w = getattr(self, name).detach()
-            shard = w.narrow(dim, rank * n, n).clone()
-            setattr(self, name, nn.Parameter(DTensor.from_local(shard, tp_mesh, [Shard(dim)], run_check=False)))
+            w = getattr(self, name)
+            shard = w.detach().narrow(dim, rank * n, n).clone()
+            setattr(self, name, _sharded(w, shard, tp_mesh, dim))
         self.tp_mesh = tp_mesh
 
     # -- compute ----------------------------------------------------------------------------------------------
