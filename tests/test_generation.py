@@ -1,6 +1,7 @@
 """The generation engine (crosstrain.generation): cached decoding equals recomputing the prefix, log-probs equal a
 teacher-forced forward, ragged batches equal prompts alone, seeded sampling reproduces and respects top-k/top-p,
-and an FSDP2-sharded model (2 gloo ranks) generates what the unsharded one does.
+per-row noise samples a row the same in any batch, and an FSDP2-sharded model (2 gloo ranks) generates what the
+unsharded one does.
 """
 
 from __future__ import annotations
@@ -92,6 +93,20 @@ def test_sampling_seeded_top_k_top_p_and_stop_tokens() -> None:
     draws = next_tokens(logits.expand(20000, 4), greedy=False, top_p=0.81, generator=torch.Generator().manual_seed(0))
     freq = torch.bincount(draws, minlength=4).float() / 20000
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, rtol=0, atol=0.015)
+    # per-row noise: the same frequencies by inverse CDF; a row's completion depends on its own noise only
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    draws = next_tokens(logits.expand(20000, 4), greedy=False, top_p=0.81, uniform=u)
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, rtol=0, atol=0.015)
+    noise = torch.rand((len(PROMPTS), 16), generator=torch.Generator().manual_seed(5))
+    batch = generate(model, PROMPTS, cfg, noise=noise)
+    for row in (1, 3):  # alone, and in another batch (other padding, other neighbours)
+        alone = generate(model, [PROMPTS[row]], cfg, noise=noise[row: row + 1])
+        pair = generate(model, [PROMPTS[2], PROMPTS[row]], cfg, noise=noise[[2, row]])
+        assert alone.tokens[0].tolist() == pair.tokens[1].tolist() == batch.tokens[row].tolist()
+    assert not torch.equal(batch.tokens, generate(model, PROMPTS, cfg, noise=noise.roll(1, 1)).tokens)
+    with pytest.raises(ConfigError, match="one uniform per row"):
+        generate(model, PROMPTS, cfg, noise=noise[:, :3])
 
     # stop tokens: row 0 stops at its first emitted stop token; the other rows run on, then pad
     greedy = generate(model, PROMPTS, GenerationConfig(max_new_tokens=12, greedy=True)).tokens

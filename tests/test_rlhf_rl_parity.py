@@ -177,6 +177,7 @@ def test_every_option_reaches_the_loss(rollouts) -> None:
     texts = completion_texts(batch["tokens"], batch["mask"], none, recipe.tokenizer)
     prompt_texts = [recipe.prompt_text["train"][i // 2] for i in range(len(texts))]
     want = torch.tensor([len(t) + 0.01 * len(p) for t, p in zip(texts, prompt_texts, strict=True)])
+    recipe.context = SimpleNamespace(step=0)  # score names the step in a reward.fn error
     torch.testing.assert_close(recipe.score(packed, list(range(len(texts) // 2)), "train", 2), want)
     # kl_in = reward: grpo lowers each completion's reward by beta * its summed KL before the group advantage
     cfg = load_config(None, [*SETS, f"data.path={prompts}", "rl.kl_in=reward"])

@@ -1,8 +1,10 @@
 """A seeded, distributed batch sampler whose position saves and restores exactly.
 
-Every rank computes the same per-epoch permutation (seed + epoch). A step consumes ``global_batch`` samples;
-data-parallel rank ``r`` of ``R`` takes the ``r``-th contiguous slice and splits it into micro-batches, so the
-samples of one step do not depend on the layout (DDP over 2 ranks sees exactly what 1 process sees).
+Every rank computes the same per-epoch permutation (seed + epoch). A step consumes ``global_batch`` samples,
+split into ``micro_batches`` contiguous micro-batches; data-parallel rank ``r`` of ``R`` takes the ``r``-th
+contiguous slice of each. So the samples of a step, and those of each micro-batch over all ranks together, do
+not depend on the layout: 2 ranks see what 1 process with the same ``grad_accum`` sees, micro-batch by
+micro-batch (which matters for terms over the whole micro-batch, such as MoE's global balance loss).
 """
 
 from __future__ import annotations
@@ -58,9 +60,8 @@ class DistributedBatchSampler:
             self.offset = 0
         batch = self._permutation()[self.offset : self.offset + self.global_batch]
         self.offset += self.global_batch
-        per_rank = self.global_batch // self.dp_size
-        mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        return list(mine.reshape(self.micro_batches, -1))
+        m = self.micro_batch_size
+        return list(batch.reshape(self.micro_batches, self.dp_size, m)[:, self.dp_rank])
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_samples": self.num_samples}

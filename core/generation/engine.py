@@ -75,10 +75,13 @@ def _check(model: nn.Module, prompts: list[list[int]], config: GenerationConfig)
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], config: GenerationConfig,
-             generator: torch.Generator | None = None) -> GenerationOutput:
+             generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> GenerationOutput:
     """Continue each prompt by up to ``config.max_new_tokens`` tokens; rows are independent of each other.
 
-    Sampling draws from ``generator`` (on the model's device), so a seeded generator reproduces the output. For
+    Sampling draws from ``generator`` (on the model's device), so a seeded generator reproduces the output; or,
+    with ``noise [B, max_new_tokens]`` (uniforms in ``[0, 1)``), row ``b``'s token ``t`` is the inverse-CDF draw
+    of ``noise[b, t]`` (:func:`~crosstrain.generation.sampling.inverse_cdf`), so a row's completion depends on its
+    own noise only, not on the other rows of the batch. For
     FSDP2, TP and DDP models see :mod:`crosstrain.generation.sharded` (what is gathered, and its memory).
     """
     core = unwrap(model)
@@ -87,6 +90,10 @@ def generate(model: nn.Module, prompts: list[list[int]], config: GenerationConfi
     ids, prompt_mask = left_pad(prompts, config.pad_token, device)
     batch, width = ids.shape
     steps = config.max_new_tokens
+    if noise is not None and tuple(noise.shape) != (batch, steps):
+        raise ConfigError(f"noise has shape {tuple(noise.shape)}; pass one uniform per row and new token, "
+                          f"[{batch}, {steps}]")
+        noise = noise.to(device)
     key_mask = torch.ones((batch, width + steps), dtype=torch.bool, device=device)
     key_mask[:, :width] = prompt_mask
     prompt_lens = prompt_mask.sum(1)
@@ -111,7 +118,8 @@ def generate(model: nn.Module, prompts: list[list[int]], config: GenerationConfi
                 step = _compiled_step()
             for t in range(steps):
                 nxt = next_tokens(logits, greedy=config.greedy, temperature=config.temperature, top_k=config.top_k,
-                                  top_p=config.top_p, generator=generator)
+                                  top_p=config.top_p, generator=generator,
+                                  uniform=None if noise is None else noise[:, t])
                 nxt = torch.where(alive, nxt, config.pad_token)
                 tokens[:, t] = nxt
                 logprobs[:, t] = token_logprobs(logits, nxt).masked_fill(~alive, 0.0)

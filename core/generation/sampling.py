@@ -31,13 +31,27 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     return scaled
 
 
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token of each row of ``probs [B, vocab]`` whose cumulative-probability interval holds that row's
+    ``uniform [B]`` in ``[0, 1)``: a draw from ``probs`` (inverse transform sampling) that depends on the row's
+    own noise only, so a row samples the same token whatever batch it is in. Zero-probability tokens have empty
+    intervals and are never chosen."""
+    cdf = probs.float().cumsum(-1)
+    target = uniform.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]
+    return (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
+
+
 def next_tokens(logits: torch.Tensor, *, greedy: bool, temperature: float = 1.0, top_k: int = 0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``logits [B, vocab]``: the argmax, or a draw from the filtered softmax
-    (``torch.multinomial`` with ``generator``, which must live on the logits' device)."""
+                top_p: float = 1.0, generator: torch.Generator | None = None,
+                uniform: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``logits [B, vocab]``: the argmax, or a draw from the filtered softmax: by
+    :func:`inverse_cdf` of the per-row ``uniform [B]`` noise when given, else ``torch.multinomial`` with
+    ``generator`` (which must live on the logits' device)."""
     if greedy:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+    if uniform is not None:
+        return inverse_cdf(probs, uniform)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 

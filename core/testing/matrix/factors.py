@@ -32,9 +32,7 @@ LAYOUTS: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "dp_shard=2,tp=2": (4, 2, ("parallel.dp_shard=2", "parallel.tp=2")),
 }
 
-#: recipes that sample: a micro-batch's rollouts are drawn from a generator keyed by its place in the step,
-#: ``dp_rank x grad_accum + i`` (plugins/rlhf/rl/rollout.py), so their 1-process reference runs
-#: ``grad_accum x dp`` micro-batches: the same samples in the same micro-batches as the layout.
+#: recipes that sample (their reference, :meth:`Cell.reference`)
 SAMPLING_RECIPES = ("grpo", "ppo")
 
 #: the cheap run every cell starts from: 2 layers of width 32 (pp=2 gets a layer each, tp=2 a head each), batch
@@ -95,9 +93,13 @@ class Cell:
         return [*out, *(MOE_ON if self.moe == "on" else ()), *(LORA_ON if self.lora == "on" else ())]
 
     def reference(self) -> Cell:
-        """The same config on one process (for :data:`SAMPLING_RECIPES`, with ``grad_accum x dp`` micro-batches)."""
-        accum = int(self.grad_accum) * (self.dp if self.recipe in SAMPLING_RECIPES else 1)
-        return replace(self, layout="1", grad_accum=str(accum))
+        """The same config on one process. Micro-batch ``i`` of all dp ranks together is micro-batch ``i`` of one
+        process (core/data/sampler.py), and grpo/ppo sample each prompt from its own noise
+        (plugins/rlhf/rl/rollout.py), so even terms over a whole micro-batch (MoE's global balance loss) agree.
+        Without MoE, grpo/ppo's reference runs ``grad_accum x dp`` micro-batches, each one rank's micro-batch: in
+        bf16 a differently composed batch rounds differently, and after a few steps that flips a sampled token."""
+        sampling = self.recipe in SAMPLING_RECIPES and self.moe == "off"
+        return replace(self, layout="1", grad_accum=str(int(self.grad_accum) * (self.dp if sampling else 1)))
 
     def label(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())

@@ -35,8 +35,8 @@ from crosstrain.plugins.rlhf.rl.rollout import (
     SamplingRNG,
     completion_logits,
     completion_texts,
-    micro_batch_generator,
     pack,
+    prompt_noise,
     sample,
 )
 from crosstrain.recipes.lm import build_model, init_from_record, load_crosstrain_weights
@@ -172,6 +172,9 @@ class RLRecipe(Recipe):
         self.dp_rank, self.dp = dp_rank, dp_size
         self.copies = max(1, world_size // dp_size)  # ranks holding the same data (tp peers)
         self.gen_config = GenerationConfig(max_new_tokens=self.sec.max_new_tokens, stop_tokens=self.stop_tokens)
+        # rows padded to one width for the run: a micro-batch's padding (which MoE routers count) then does not
+        # depend on which prompts share it
+        self.width = max(len(p) for p in self.prompts["train"]) + self.sec.max_new_tokens
         self.pending: list[dict[str, Any]] = []
         self.rollouts = self.losses = 0
 
@@ -222,15 +225,17 @@ class RLRecipe(Recipe):
     @torch.no_grad()
     def rollout(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Sample, score and precompute one training micro-batch (called by the loop for each micro-batch)."""
-        models, device = self.context.models, self.context.device
+        models = self.context.models
         if self.rollouts % self.grad_accum == 0:
             self.step_seed = self.rng.next_seed()
         self.rollouts += 1
-        key = self.dp_rank * self.grad_accum + (self.rollouts - 1) % self.grad_accum
-        generator = micro_batch_generator(self.step_seed, key, device)
-        indices = indices[: len(indices) // self.group]  # the batch counts completions: B / G prompts, G each
+        # the batch counts completions: B / G prompts, G each; every G-th of the step's samples (a micro-batch
+        # starts at a multiple of G), so the step's prompts, and each micro-batch's over all ranks, do not
+        # depend on the layout
+        indices = indices[:: self.group]
+        noise = prompt_noise(self.step_seed, indices, self.group, self.gen_config.max_new_tokens)
         packed = sample(models["policy"], [self.prompts["train"][i] for i in indices], self.group, self.gen_config,
-                        generator)
+                        noise, self.width)
         mask = packed.mask
         batch: dict[str, torch.Tensor] = {"ids": packed.ids, "index": packed.index, "tokens": packed.tokens,
                                           "mask": mask, "rollout_logps": packed.logprobs}

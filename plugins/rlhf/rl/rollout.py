@@ -1,10 +1,12 @@
 """Rollouts: G completions per prompt from the current policy, packed for the training forward.
 
-Sampling is reproducible: each optimizer step draws one 63-bit seed from the recipe's checkpointed generator
-(the same on every rank), and each micro-batch samples, in one batched ``generate`` call, from a generator
-seeded with that seed and the micro-batch's place in the step (data-parallel rank, micro-batch index). A
-resumed run therefore samples what the uninterrupted one did; another layout samples other (equally
-distributed) completions.
+Sampling is reproducible and layout-independent: each optimizer step draws one 63-bit seed from the recipe's
+checkpointed generator (the same on every rank), and each prompt's ``G`` completions take their sampling noise
+from a generator seeded with that seed and the prompt's index in the training set (:func:`prompt_noise`; a step
+never holds a prompt twice: the sampler takes a step from one epoch's permutation). A micro-batch samples in one
+batched ``generate`` call by inverse CDF of that per-row noise, so a prompt's completions are the same whatever
+rank and micro-batch it lands in: a resumed run samples what the uninterrupted one did, and any layout what one
+process with the same ``grad_accum`` does.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ class SamplingRNG:
         self.generator.set_state(state["generator"].to(torch.uint8))
 
 
-def micro_batch_generator(step_seed: int, key: int, device: torch.device) -> torch.Generator:
-    """The generator of one micro-batch: seeded from the step's seed and the micro-batch's ``key``
-    (``dp_rank * grad_accum + micro-batch index``), so no two micro-batches of a step share noise."""
-    return torch.Generator(device=device).manual_seed((step_seed + (key + 1) * _MIX) & _MASK)
+def prompt_noise(step_seed: int, prompts: list[int], group: int, steps: int) -> torch.Tensor:
+    """Uniform sampling noise ``[len(prompts) * group, steps]`` (CPU): rows ``group*k ... group*k + group-1`` from
+    a generator seeded with the step's seed and prompt ``prompts[k]``'s index, so no two prompts of a step share
+    noise and a prompt's noise does not depend on where in the step it is sampled."""
+    rows = [torch.rand((group, steps), generator=torch.Generator().manual_seed((step_seed + (i + 1) * _MIX) & _MASK))
+            for i in prompts]
+    return torch.cat(rows) if rows else torch.zeros((0, steps))
 
 
 @dataclass
@@ -60,8 +65,9 @@ class Packed:
     stopped: torch.Tensor  # [R] bool: ended with the stop token (not cut at max_new_tokens)
 
 
-def pack(out: GenerationOutput, prompts: list[list[int]], config: GenerationConfig) -> Packed:
-    """The engine's left-padded output as right-padded rows, completions padded to ``max_new_tokens``."""
+def pack(out: GenerationOutput, prompts: list[list[int]], config: GenerationConfig, width: int = 0) -> Packed:
+    """The engine's left-padded output as right-padded rows, completions padded to ``max_new_tokens`` and rows to
+    ``width`` (at least the longest prompt + ``max_new_tokens``)."""
     device = out.tokens.device
     t_max = config.max_new_tokens
     pad = (0, t_max - out.tokens.shape[1])
@@ -69,7 +75,8 @@ def pack(out: GenerationOutput, prompts: list[list[int]], config: GenerationConf
     mask = F.pad(out.mask, pad, value=False)
     logprobs = F.pad(out.logprobs, pad, value=0.0)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids = torch.full((len(prompts), int(lengths.max()) + t_max), config.pad_token, dtype=torch.long, device=device)
+    width = max(width, int(lengths.max()) + t_max)
+    ids = torch.full((len(prompts), width), config.pad_token, dtype=torch.long, device=device)
     for r, p in enumerate(prompts):
         ids[r, : len(p)] = torch.tensor(p, dtype=torch.long, device=device)
     cols = lengths.unsqueeze(1) + torch.arange(t_max, device=device)
@@ -83,11 +90,11 @@ def pack(out: GenerationOutput, prompts: list[list[int]], config: GenerationConf
 
 
 def sample(policy: nn.Module, prompts: list[np.ndarray], group: int, config: GenerationConfig,
-           generator: torch.Generator) -> Packed:
+           noise: torch.Tensor, width: int = 0) -> Packed:
     """``group`` completions of each prompt in one batched call (rows ``group*k ... group*k + group-1`` are
-    prompt ``k``'s)."""
+    prompt ``k``'s), drawn from ``noise`` (:func:`prompt_noise`) and packed to ``width`` (:func:`pack`)."""
     rows = [p.tolist() for p in prompts for _ in range(group)]
-    return pack(generate(policy, rows, config, generator), rows, config)
+    return pack(generate(policy, rows, config, noise=noise), rows, config, width)
 
 
 def completion_logits(model: nn.Module, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
