@@ -184,6 +184,7 @@ def test_dp_noise_min_clients_and_fedprox():
 
     import torch
 
+    from crosstrain.data import TokenBatch
     from crosstrain.engine.aux_loss import collect_aux_losses
     from crosstrain.plugins.fl.client import Round
     from crosstrain.plugins.fl.globalstate import Layout
@@ -200,7 +201,7 @@ def test_dp_noise_min_clients_and_fedprox():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)  # local = global + 0.01
-    batch = (torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))
+    batch = TokenBatch(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))
     with collect_aux_losses() as aux:
         recipe.loss({"model": model}, batch)
     assert aux["fedprox"].item() == pytest.approx(0.3 / 2 * layout.dim * 0.01**2, rel=1e-3)

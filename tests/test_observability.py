@@ -76,7 +76,9 @@ def test_straggler_is_reported_with_its_rank(slow_run: Path) -> None:
     assert stragglers, events(slow_run)
     assert {e["rank"] for e in stragglers} == {1}
     first = stragglers[0]
-    assert first["step"] == 6 and first["steps"] == 5 and first["ratio"] > 1.5  # steps 2..6, default 5 in a row
+    # rank 1 sleeps from step 2, so 5 slow steps in a row (the default) end at step 6; on a loaded machine its
+    # first step may be slow as well (5), or one of its steps hidden by a busier rank 0 (later)
+    assert first["step"] >= 5 and first["steps"] == 5 and first["ratio"] > 1.5
     assert first["busy_s"] > 0.2 > first["median_s"]
 
 
