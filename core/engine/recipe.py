@@ -99,6 +99,17 @@ class Recipe:
         under ``torch.no_grad()``. Runs under the loop's autocast and gradient-sync contexts."""
         raise NotImplementedError
 
+    def prepare_step(self, micro_batches: list[Any], context: RunContext) -> list[Any]:
+        """Once per optimizer step, after the step's ``grad_accum`` micro-batches are drawn (and moved to the
+        device) and before the first forward: return the micro-batches to train on (RL recipes sample their
+        rollouts here and all-reduce the step's statistics once). Every rank calls it, in step."""
+        return micro_batches
+
+    def after_optimizer_step(self, context: RunContext, step: int) -> None:
+        """Once per optimizer step on every rank, after the optimizer (also a skipped non-finite step) and the
+        LR schedule, before the plugins' ``crosstrain_after_optimizer_step`` hook; ``step`` is the step just
+        completed (federated clients exchange their update here at the end of a round)."""
+
     def build_eval_dataset(self, context: RunContext) -> RecipeDataset | None:
         """Held-out samples for periodic evaluation (``[eval]``), or None for a recipe without evaluation."""
         return None

@@ -86,8 +86,9 @@ class Trainer:
     Hooks receive :attr:`context`, a :class:`~crosstrain.engine.context.RunContext`, never the Trainer.
     """
 
-    def __init__(self, config: Config, run_dir: str | Path | None = None) -> None:
+    def __init__(self, config: Config, run_dir: str | Path | None = None, recipe: Recipe | None = None) -> None:
         self.config = config
+        self._given_recipe = recipe  # a recipe instance (e.g. the FL client's); None: train.recipe by name
         self.requested_run_dir = run_dir
         self.run_dir: Path | None = None
         self.counters = Counters()
@@ -159,7 +160,7 @@ class Trainer:
         check_hang_dump(cfg)
         self.env = DistEnv.from_env()
         self.dims = check_world(cfg, self.env.world_size, self._memory_per_rank())
-        self.recipe: Recipe = resolve_recipe(cfg.train.recipe)
+        self.recipe: Recipe = self._given_recipe or resolve_recipe(cfg.train.recipe)
         self.recipe.validate(cfg)
         resume = cfg.checkpoint.resume
         if resume not in ("auto", "never") and not Path(resume).exists():
@@ -482,6 +483,7 @@ class Trainer:
         cfg = self.config
         t0 = time.perf_counter()
         micro = [stepmod.to_device(self.dataset.batch(idx), self.device) for idx in self.sampler.next_step()]
+        micro = self.recipe.prepare_step(micro, self.context)
         t_data = time.perf_counter() - t0
         primary = self.primary
         lr = primary.schedule.lr
@@ -533,6 +535,7 @@ class Trainer:
         if finite:
             for m in self.trainable:
                 m.schedule.step()
+        self.recipe.after_optimizer_step(self.context, next_step)
         pluginmanager.call_strict("crosstrain_after_optimizer_step", "act after the optimizer step",
                                   context=self.context, step=next_step)
         step_time = now - t0
