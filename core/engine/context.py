@@ -7,7 +7,7 @@ Filled in stages, so a recipe's ``build_models`` sees the first group only:
 
 - at build time: ``config``, ``recipe``, ``rank``, ``world_size``, ``local_rank``, ``dims``, ``mesh``,
   ``device``, ``backend``;
-- once the models are parallelised: ``models``, ``parallel_models``, ``optimizers``, ``run_dir``,
+- once the models are parallelised: ``models``, ``optimizers``, ``model_config``; then ``run_dir`` and
   ``resume_step``;
 - after training: ``summary``, ``final_state_dict``.
 """
@@ -32,8 +32,7 @@ class RunContext:
     """What a hook may read (and the few things it may do) during a run.
 
     Stable: ``config``, ``run_dir``, ``rank``, ``world_size``, ``dims``, ``mesh``, ``device``, ``models``,
-    ``optimizers``, ``step``, ``emit_event``, ``request_stop``. Others: ``parallel_models`` (the
-    :class:`crosstrain.parallel.ParallelModel` of each model), ``model_config``, ``summary``,
+    ``optimizers``, ``step``, ``emit_event``, ``request_stop``. Others: ``model_config``, ``summary``,
     ``final_state_dict`` (full fp32 CPU tensors of the primary model, on every rank, after training).
     """
 
@@ -49,7 +48,6 @@ class RunContext:
     run_dir: Path | None = None
     resume_step: int = 0
     models: Mapping[str, nn.Module] = field(default_factory=dict)
-    parallel_models: Mapping[str, Any] = field(default_factory=dict)
     optimizers: Mapping[str, torch.optim.Optimizer] = field(default_factory=dict)
     model_config: Any = None
     summary: dict[str, Any] = field(default_factory=dict)
@@ -57,6 +55,12 @@ class RunContext:
     _step: Callable[[], int] = field(default=lambda: 0, repr=False)
     _emit: Callable[[int, str, dict[str, Any]], None] | None = field(default=None, repr=False)
     _stop: Callable[[str], None] | None = field(default=None, repr=False)
+
+    def attach(
+        self, step: Callable[[], int], emit: Callable[[int, str, dict[str, Any]], None], stop: Callable[[str], None]
+    ) -> None:
+        """Connect the loop's step counter, event sinks and stop request (a run without a loop has none)."""
+        self._step, self._emit, self._stop = step, emit, stop
 
     @property
     def step(self) -> int:

@@ -40,31 +40,36 @@ def evaluate_checkpoint(config: Config, step_dir: Path) -> dict[str, Any]:
     from crosstrain.checkpoint.app_state import ModelOptimizerState
     from crosstrain.checkpoint.backend_storage import backend_checkpointer
     from crosstrain.checkpoint.verify import verify
-    from crosstrain.engine.trainer import Trainer
+    from crosstrain.engine.run import build_run
 
     report = verify(step_dir)
     if not report.ok:
         raise CheckpointError(f"checkpoint {str(step_dir)!r} failed verification: {report.reason}")
-    trainer = Trainer(config)
-    trainer.eval_only = True
+    run = build_run(config, for_eval=True)
     try:
-        trainer.setup_models()
-        if trainer.eval_dataset is None:
-            raise ConfigError("this run's data has no validation part; pass --data TOKEN_FILE (or set "
-                              "data.val_fraction > 0)")
-        primary = trainer.primary
+        if run.eval is None:
+            raise ConfigError(
+                "this run's data has no validation part; pass --data TOKEN_FILE (or set data.val_fraction > 0)"
+            )
+        held_out, primary = run.eval, run.primary
         # A pipeline stage holds only its own blocks: the saved tensors of the other stages are read but not
         # applied (strict=False); tensors the stage has and the checkpoint lacks are still an error (load_into).
-        strict = trainer.dims.pp == 1
-        state = {m.checkpoint_key(m is primary): ModelOptimizerState(m.module, strict=strict)
-                 for m in trainer.trainable}
-        step = backend_checkpointer(trainer.backend, None).load_into(step_dir, state)
-        results = trainer.evaluate()
-        rank, world = trainer.rank, trainer.world_size  # before teardown leaves the process group
+        strict = run.dims.pp == 1
+        state = {m.checkpoint_key(m is primary): ModelOptimizerState(m.module, strict=strict) for m in run.trainable}
+        step = backend_checkpointer(run.backend, None).load_into(step_dir, state)
+        results = run.evaluate()
     finally:
-        trainer.teardown()
+        run.close()
     perplexity = {"perplexity": results["eval/perplexity"]} if "eval/perplexity" in results else {}
-    return {"checkpoint": str(step_dir), "step": int(step), "loss": results["eval/loss"], **perplexity,
-            "batches": trainer.eval_batches, "samples": trainer.eval_batches * trainer.eval_batch_size,
-            "rank": rank, "world_size": world, "mesh": trainer.dims.mesh_shape(),
-            **{k: v for k, v in results.items() if k.startswith("eval/") and k not in ("eval/loss", "eval/perplexity")}}
+    return {
+        "checkpoint": str(step_dir),
+        "step": int(step),
+        "loss": results["eval/loss"],
+        **perplexity,
+        "batches": held_out.batches,
+        "samples": held_out.batches * held_out.batch_size,
+        "rank": run.rank,
+        "world_size": run.world_size,
+        "mesh": run.dims.mesh_shape(),
+        **{k: v for k, v in results.items() if k.startswith("eval/") and k not in ("eval/loss", "eval/perplexity")},
+    }

@@ -1,0 +1,339 @@
+"""The :class:`Run`: what a training or eval run is made of, built once by :func:`build_run`.
+
+``build_run(config)`` checks the config, picks the backend, joins the process group, builds the mesh, the
+recipe's models (transformed by plugins, parallelised, with an optimizer and LR schedule each if trainable),
+its datasets, the data sampler and the loss scaler. Nothing is written: the run dir, checkpoints and metrics
+are the :class:`~crosstrain.engine.trainer.Trainer`'s parts; ``crosstrain eval`` builds a run with
+``for_eval=True`` and no Trainer. The parts of the loop take the fields they need from the value
+(torchtitan's trainer components, Lightning Fabric's accelerator/strategy/precision split).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from crosstrain import registry
+from crosstrain.config import Config, check_world
+from crosstrain.data import DistributedBatchSampler
+from crosstrain.distenv import DistEnv
+from crosstrain.engine import fast_defaults
+from crosstrain.engine.capabilities import check_capabilities
+from crosstrain.engine.context import RunContext
+from crosstrain.engine.evaluate import check_eval, eval_batches, evaluate
+from crosstrain.engine.flops import count_flops, training_flops_per_token
+from crosstrain.engine.loss_scale import DynamicLossScaler
+from crosstrain.engine.models import TrainedModel, check_specs, frozen_sha256, transform_specs
+from crosstrain.engine.recipe import Recipe, RecipeDataset, resolve_recipe
+from crosstrain.engine.watchdog import check_hang_dump
+from crosstrain.optim.factory import build_optimizer
+from crosstrain.optim.schedules import build_schedule
+from crosstrain.parallel.dims import ParallelDims
+
+#: below this many parameters ``train.threads = 0`` uses one host thread (op overhead dominates small models).
+AUTO_SINGLE_THREAD_PARAMS = 20_000_000
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class EvalData:
+    """The recipe's held-out samples and how this rank reads them (``[eval]``)."""
+
+    dataset: RecipeDataset
+    batch_size: int
+    steps: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def batches(self) -> int:
+        return eval_batches(len(self.dataset), self.batch_size, self.steps)
+
+
+@dataclass
+class Run:
+    """One run's backend, process group, mesh, models, data, sampler and loss scaler (this rank's view).
+
+    ``close()`` gives back what building it changed: the host thread count, the kernel mode and the process
+    group it created.
+    """
+
+    config: Config
+    recipe: Recipe
+    backend: Any  # crosstrain.backend.Backend
+    device_api: Any
+    device: torch.device
+    collective: Any
+    local_rank: int
+    dims: ParallelDims
+    mesh: Any
+    context: RunContext
+    models: dict[str, TrainedModel]
+    dataset: RecipeDataset
+    eval: EvalData | None
+    sampler: DistributedBatchSampler
+    scaler: DynamicLossScaler
+    compile_choice: fast_defaults.CompileChoice
+    flops_per_token: float
+    mfu_flops: dict[str, dict[str, Any]]
+    peak_flops: float  # of the device at precision.dtype (0: unknown); MFU divides by it
+    undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def trainable(self) -> list[TrainedModel]:
+        return [m for m in self.models.values() if m.trainable]
+
+    @property
+    def primary(self) -> TrainedModel:
+        """The first trainable model: summary.json's ``params_sha256`` and ``final_state_dict`` describe it."""
+        return next(m for m in self.models.values() if m.trainable)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.config.precision.dtype]
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate the models on the recipe's held-out samples now (every rank; see crosstrain.engine.evaluate)."""
+        assert self.eval is not None
+        e = self.eval
+        return evaluate(
+            self.recipe,
+            self.models,
+            self.primary,
+            e.dataset,
+            batch_size=e.batch_size,
+            steps=e.steps,
+            dp_rank=e.dp_rank,
+            dp_size=e.dp_size,
+            device=self.device,
+        )
+
+    def close(self) -> None:
+        """Restore the thread count and kernel mode and leave the process group this run created."""
+        _run_undo(self.undo)
+
+
+def _run_undo(undo: list[Callable[[], None]]) -> None:
+    while undo:
+        undo.pop()()
+
+
+def build_run(config: Config, recipe: Recipe | None = None, for_eval: bool = False) -> Run:
+    """Build the run ``config`` describes (all ranks call it together); nothing is written to disk.
+
+    ``recipe``: an instance to train (e.g. the federated client's); None resolves ``train.recipe`` by name.
+    ``for_eval``: for ``crosstrain eval``: the held-out data is built whatever ``eval.every`` says, nothing is
+    compiled under ``parallel.compile = "auto"`` and trainable models get no optimizer.
+    """
+    cfg = config
+    backend = registry.set_active_backend(None if cfg.backend == "auto" else cfg.backend)
+    # everything a user can get wrong, checked before any process group or model exists
+    check_capabilities(backend, cfg)
+    check_hang_dump(cfg)
+    env = DistEnv.from_env()
+    device_api = backend.device()
+    dims = check_world(cfg, env.world_size, _memory_per_rank(device_api, env.local_world_size))
+    recipe = recipe or resolve_recipe(cfg.train.recipe)
+    recipe.validate(cfg)
+    undo: list[Callable[[], None]] = []
+    try:
+        return _build(cfg, recipe, backend, device_api, env, dims, for_eval, undo)
+    except BaseException:
+        _run_undo(undo)
+        raise
+
+
+def _memory_per_rank(device_api: Any, local_world_size: int) -> int:
+    """The device memory one rank may use (ranks sharing a device, or the host, split it); 0 if unknown."""
+    sharing = max(1, -(-local_world_size // max(device_api.device_count(), 1)))
+    return int(device_api.memory_stats().total) // sharing
+
+
+def _build(
+    cfg: Config,
+    recipe: Recipe,
+    backend: Any,
+    device_api: Any,
+    env: DistEnv,
+    dims: ParallelDims,
+    for_eval: bool,
+    undo: list[Callable[[], None]],
+) -> Run:
+    from crosstrain.kernels import registry as kernel_registry
+    from crosstrain.parallel import build_mesh, dp_rank_and_size
+
+    if cfg.kernels.mode != "auto":
+        before = kernel_registry.mode
+        undo.append(lambda: kernel_registry.set_mode(before))
+        kernel_registry.set_mode(cfg.kernels.mode)
+    collective = backend.collective()
+    if not collective.initialized:
+        undo.append(collective.destroy)
+    collective.init(timeout=cfg.fault.collective_timeout_s)
+    device = device_api.device_for_local_rank(env.local_rank)
+    device_api.set_device(device)
+    torch.manual_seed(cfg.train.seed)
+    device_api.manual_seed(cfg.train.seed)
+    mesh = build_mesh(collective, dims)
+    context = RunContext(
+        config=cfg,
+        recipe=recipe.name,
+        rank=collective.rank,
+        world_size=collective.world_size,
+        local_rank=env.local_rank,
+        dims=dims,
+        mesh=mesh,
+        device=device,
+        backend=backend.name,
+    )
+    models, choice = _build_models(cfg, recipe, context, backend, device_api, for_eval, undo)
+    flops_per_token, mfu_flops = count_flops(  # every model's FLOPs, frozen ones forward only
+        ((n, m.module, m.trainable) for n, m in models.items()), cfg.train.seq_len
+    )
+    primary = next(m for m in models.values() if m.trainable)
+    context.models = {n: m.module for n, m in models.items()}
+    context.optimizers = {n: m.optimizer for n, m in models.items() if m.optimizer is not None}
+    context.model_config = getattr(primary.module, "config", None)
+    dataset = recipe.build_dataset(context)
+    dp_rank, dp_size = dp_rank_and_size(mesh, dims)
+    eval_data = None
+    if cfg.eval.every or for_eval:
+        held_out = recipe.build_eval_dataset(context)
+        if held_out is not None:
+            eval_data = EvalData(
+                held_out, cfg.eval.batch_size or cfg.train.batch_size, cfg.eval.steps, dp_rank, dp_size
+            )
+            check_eval(len(held_out), eval_data.batch_size, dp_size, primary.parallel.microbatches)
+    scaler = DynamicLossScaler(
+        cfg.precision.dtype == "fp16", cfg.precision.init_loss_scale, cfg.precision.loss_scale_growth_interval
+    )
+    sampler = DistributedBatchSampler(
+        len(dataset),
+        cfg.train.batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        micro_batches=cfg.train.grad_accum,
+        seed=cfg.train.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    return Run(
+        cfg,
+        recipe,
+        backend,
+        device_api,
+        device,
+        collective,
+        env.local_rank,
+        dims,
+        mesh,
+        context,
+        models,
+        dataset,
+        eval_data,
+        sampler,
+        scaler,
+        choice,
+        flops_per_token,
+        mfu_flops,
+        float(device_api.peak_flops(DTYPES[cfg.precision.dtype]) or 0.0),
+        undo,
+    )
+
+
+def _build_models(
+    cfg: Config,
+    recipe: Recipe,
+    context: RunContext,
+    backend: Any,
+    device_api: Any,
+    for_eval: bool,
+    undo: list[Callable[[], None]],
+) -> tuple[dict[str, TrainedModel], fast_defaults.CompileChoice]:
+    """The recipe's models, transformed by plugins, parallelised, with an optimizer each if trainable."""
+    from crosstrain.parallel import parallelize
+
+    dims, device = context.dims, context.device
+    specs = recipe.build_models(context)
+    check_specs(specs, recipe, dims.pp)
+    built = transform_specs(specs, cfg)
+    _set_threads(cfg.train.threads, list(built.values()), undo)
+    trainable_built = [built[n] for n, spec in specs.items() if spec.trainable]
+    choice = decide_compile(
+        cfg, dims, device_api, context.world_size, trainable_built[0] if trainable_built else None, for_eval
+    )
+    models: dict[str, TrainedModel] = {}
+    for name, spec in specs.items():
+        module = built[name]
+        sha = "" if spec.trainable else frozen_sha256(module)
+        pm = parallelize(
+            module,
+            dims,
+            context.mesh,
+            device,
+            precision=cfg.precision.dtype,
+            activation_checkpoint=cfg.parallel.activation_checkpoint if spec.trainable else "none",
+            compile=choice.enabled and spec.trainable,
+            pp_schedule=cfg.parallel.pp_schedule,
+            pp_microbatches=cfg.parallel.pp_microbatches,
+            trainable=spec.trainable,
+            loss_fn=recipe.pipeline_loss if dims.pp > 1 else None,
+        )
+        slot = TrainedModel(name, pm, spec.trainable, spec.source or f"recipe {recipe.name}", sha)
+        if spec.trainable and not for_eval:
+            slot.optimizer = build_optimizer(slot.params, cfg.optim, device, backend=backend)
+            slot.schedule = build_schedule(slot.optimizer, cfg.schedule, cfg.train.steps)
+        models[name] = slot
+    return models, choice
+
+
+def _set_threads(threads: int, models: list[torch.nn.Module], undo: list[Callable[[], None]]) -> None:
+    if threads == 0 and "OMP_NUM_THREADS" not in os.environ:
+        if sum(p.numel() for m in models for p in m.parameters()) < AUTO_SINGLE_THREAD_PARAMS:
+            threads = 1
+    if threads:
+        before = torch.get_num_threads()
+        undo.append(lambda: torch.set_num_threads(before))
+        torch.set_num_threads(threads)
+
+
+def decide_compile(
+    cfg: Config, dims: ParallelDims, device_api: Any, world_size: int, module: torch.nn.Module | None, for_eval: bool
+) -> fast_defaults.CompileChoice:
+    """``parallel.compile`` resolved for the primary model (see :mod:`crosstrain.engine.fast_defaults`)."""
+    from crosstrain.parallel.plan import find_plan
+
+    requested = cfg.parallel.compile
+    if module is None:
+        return fast_defaults.CompileChoice(False, "no trainable model")
+    if for_eval and requested == "auto":
+        return fast_defaults.CompileChoice(False, "crosstrain eval: no training steps to amortise a compile")
+    micro = max(cfg.train.batch_size // max(dims.dp_degree, 1) // cfg.train.grad_accum, 1)
+    key = fast_defaults.model_key(module, dims, cfg.precision.dtype, micro, cfg.train.seq_len)
+    est_step_s = 0.0
+    if requested == "auto":
+        peak = float(device_api.peak_flops(DTYPES[cfg.precision.dtype]) or 0.0)
+        work = training_flops_per_token(module, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
+        est_step_s = work / world_size / (peak * fast_defaults.EAGER_MFU) if peak > 0 else 0.0
+    choice = fast_defaults.decide_compile(
+        requested, dims, find_plan(module, "ac_units") is not None, cfg.train.steps, est_step_s, key
+    )
+    if choice.enabled:
+        fast_defaults.enable_compile_caches()
+    return choice
