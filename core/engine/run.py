@@ -10,6 +10,7 @@ are the :class:`~crosstrain.engine.trainer.Trainer`'s parts; ``crosstrain eval``
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,8 +132,15 @@ class Run:
 
 
 def _run_undo(undo: list[Callable[[], None]]) -> None:
+    """Run every undo step, newest first, even if one fails (the first failure is raised after the rest ran)."""
+    failed: list[Exception] = []
     while undo:
-        undo.pop()()
+        try:
+            undo.pop()()
+        except Exception as exc:
+            failed.append(exc)
+    if failed:
+        raise failed[0]
 
 
 def build_run(config: Config, recipe: Recipe | None = None, for_eval: bool = False) -> Run:
@@ -156,7 +164,8 @@ def build_run(config: Config, recipe: Recipe | None = None, for_eval: bool = Fal
     try:
         return _build(cfg, recipe, backend, device_api, env, dims, for_eval, undo)
     except BaseException:
-        _run_undo(undo)
+        with contextlib.suppress(Exception):  # the build's own error is the one to report
+            _run_undo(undo)
         raise
 
 
