@@ -61,6 +61,7 @@ class Trainer:
         self.preemption = PreemptionWatcher()
         self.rank_metrics: RankMetrics | None = None
         self.hang_watchdog: HangWatchdog | None = None
+        self.stop_vote: StopVote | None = None
         self._run_lock: RunDirLock | None = None
         self.complete_at: int | None = None  # the newest checkpoint already reached train.steps
         self.summary: dict[str, Any] = {}
@@ -182,8 +183,8 @@ class Trainer:
 
     def _fit(self, start: float) -> dict[str, Any]:
         run, cfg, counters = self.built, self.config, self.counters
-        assert self.events is not None and self.checkpoints is not None
-        events, checkpoints = self.events, self.checkpoints
+        assert self.events is not None and self.checkpoints is not None and self.stop_vote is not None
+        events, checkpoints, stop_vote = self.events, self.checkpoints, self.stop_vote
         run.device_api.reset_peak_memory_stats()
         defaults = defaults_report(run)
         line = describe_defaults(defaults)
@@ -203,7 +204,7 @@ class Trainer:
             record.eval_before = run.evaluate()
             eval_time += record.eval_before.get("time_eval_s", 0.0)
         while counters.step < cfg.train.steps:
-            vote = self.stop_vote.start(counters.step - first_step, record.step_times)
+            vote = stop_vote.start(counters.step - first_step, record.step_times)
             metrics = self.train_step()
             step = counters.step
             if step == 1 or not math.isfinite(counters.initial_loss):
@@ -241,7 +242,7 @@ class Trainer:
                 checkpoints.save(step, best=best)
                 last_saved = step
             checkpoints.manager.start_check()  # finished by check_background() in the next step, without waiting
-            if self.stop_vote.finish(vote):
+            if stop_vote.finish(vote):
                 record.preempted = True
                 break
         record.train_s = time.perf_counter() - loop_start - eval_time  # tokens/s measures training alone
