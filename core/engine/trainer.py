@@ -163,8 +163,10 @@ class Trainer:
         self.recipe: Recipe = self._given_recipe or resolve_recipe(cfg.train.recipe)
         self.recipe.validate(cfg)
         resume = cfg.checkpoint.resume
-        if resume not in ("auto", "never") and not Path(resume).exists():
-            raise ConfigError(f"checkpoint.resume {resume!r} does not exist; use 'auto', 'never' or a checkpoint path")
+        if resume not in ("auto", "never"):  # 'auto' and 'never' are the other choices
+            from crosstrain.checkpoint.resolve import CHECKPOINT, source_kind
+
+            source_kind(resume, what="checkpoint.resume", accept=CHECKPOINT)
         if self.requested_run_dir is not None and Path(self.requested_run_dir).is_file():
             raise ConfigError(f"--run-dir {str(self.requested_run_dir)!r} is a file; pass a directory")
 
@@ -404,9 +406,10 @@ class Trainer:
         resume = self.config.checkpoint.resume
         if self.checkpoints is None or resume == "never":
             return
-        from crosstrain.checkpoint.manager import resolve
+        from crosstrain.checkpoint.resolve import CHECKPOINT, resolve_path
 
-        target = self.checkpoints.latest_together() if resume == "auto" else resolve(resume)
+        target = self.checkpoints.latest_together() if resume == "auto" else \
+            resolve_path(resume, what="checkpoint.resume", accept=CHECKPOINT).info
         if target is None:
             return
         if target.step >= self.config.train.steps:
