@@ -123,7 +123,7 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ("init-from-pickle-only", _tr("lm", "model.init_from={w}/hf_bin"), "only pickle weights", ""),
     ("init-from-index-missing-shard", _tr("lm", "model.init_from={w}/hf_index"), "which is missing", ""),
     ("init-from-index-garbage", _tr("lm", "model.init_from={w}/hf_index_bad"), "is not a safetensors index", ""),
-    ("init-from-missing", _tr("lm", "model.init_from={w}/missing"), "is not a folder", ""),
+    ("init-from-missing", _tr("lm", "model.init_from={w}/missing"), "does not exist", ""),
     ("init-from-empty-folder", _tr("lm", "model.init_from={w}/emptydir"), "model.init_from", ""),
     ("init-from-other-width", _tr("lm", "model.init_from={run}", "model.dim=96", "model.n_heads=4"),
      "does not fit this model", ""),

@@ -22,7 +22,7 @@ from crosstrain.checkpoint.manifest import MANIFEST_FILE, Manifest, sha256_file
 from crosstrain.checkpoint.retention import to_delete
 from crosstrain.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, call_dcp, read_metadata
 from crosstrain.checkpoint.verify import verify
-from crosstrain.errors import CheckpointError
+from crosstrain.errors import CheckpointError, ConfigError
 from crosstrain.models.gpt import build_gpt
 
 
@@ -293,5 +293,5 @@ def test_unknown_entry_and_shape_mismatch_are_clear_errors(tmp_path: Path) -> No
         mgr.load(mgr.latest(), {"w": {"t": torch.zeros(3), "u": torch.zeros(1)}})
     with pytest.warns(CheckpointWarning, match="no entry 'other'"):
         mgr.load(mgr.latest(), {"w": {"t": torch.zeros(3)}, "other": {"x": 1}})
-    with pytest.raises(CheckpointError, match="no checkpoint"):
+    with pytest.raises(ConfigError, match="does not exist"):
         mgr.load(tmp_path / "nope", {})

@@ -81,10 +81,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def _eval_layouts(collective, run: str, layouts: list[str]) -> dict[str, dict]:
     """``crosstrain eval``'s own function under each layout in turn, on the shared 2 ranks."""
-    from crosstrain.engine.evaluate_checkpoint import evaluate_checkpoint, resolve_checkpoint
+    from crosstrain.checkpoint.resolve import resolve_path
+    from crosstrain.engine.evaluate_checkpoint import evaluate_checkpoint
 
-    run_dir, step_dir = resolve_checkpoint(run)
-    return {layout: evaluate_checkpoint(load_config(run_dir / "config.toml", [layout]), step_dir)
+    source = resolve_path(run, accept=("checkpoint",))
+    assert source.run_dir is not None
+    return {layout: evaluate_checkpoint(load_config(source.run_dir / "config.toml", [layout]), source.path)
             for layout in layouts}
 
 
@@ -144,7 +146,6 @@ def test_keep_best_survives_worse_saves(tmp_path, plugin) -> None:
     best = _cli("eval", str(run), "--best", "--json")
     assert best.returncode == 0, best.stderr
     assert json.loads(best.stdout.strip().splitlines()[-1])["loss"] == pytest.approx(evals[2], abs=1e-6)
-    from crosstrain.plugins.export.cli import best_or
     from crosstrain.plugins.export.loading import load_model
 
-    assert best_or(str(run), True).endswith("step_2") and load_model(best_or(str(run), True)).model is not None
+    assert load_model(run, best=True).source.endswith("step_2")

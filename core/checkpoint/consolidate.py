@@ -10,20 +10,21 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from crosstrain.checkpoint.dcp import read_meta
-from crosstrain.checkpoint.manager import resolve
 from crosstrain.checkpoint.manifest import fsync_dir
+from crosstrain.checkpoint.resolve import CHECKPOINT, Resolved, resolve_path
 from crosstrain.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, call_dcp, read_metadata
 from crosstrain.checkpoint.verify import verify
 from crosstrain.errors import CheckpointError
 
 
-def load_consolidated(path: str | os.PathLike[str], *, check: bool = True) -> dict[str, torch.Tensor]:
-    """Model tensors of the checkpoint at ``path`` (a ``step_N`` folder or a folder of them), full and on CPU,
-    named as in the plain model's ``state_dict()``. Verifies checksums first unless ``check=False``."""
-    info = resolve(path)
-    if check and not info.verified:
-        verify(info.path).raise_if_bad()
-    folder = info.path
+def load_consolidated(path: str | os.PathLike[str] | Resolved, *, check: bool = True) -> dict[str, torch.Tensor]:
+    """Model tensors of the checkpoint at ``path`` (a run dir, its ``checkpoints/`` folder or a ``step_N`` folder,
+    see :func:`~crosstrain.checkpoint.resolve.resolve_path`), full and on CPU, named as in the plain model's
+    ``state_dict()``. Verifies checksums first unless ``check=False`` or they were just checked."""
+    source = resolve_path(path, accept=CHECKPOINT)
+    if check and not source.verified:
+        verify(source.path).raise_if_bad()
+    folder = source.path
     meta = read_meta(folder)
     prefix = meta.get("model_prefix")
     if not prefix:

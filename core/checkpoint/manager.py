@@ -69,6 +69,12 @@ def step_dirs(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return sorted(out, key=lambda sp: -sp[0])
 
 
+def step_number(name: str) -> int | None:
+    """N for a ``step_N`` folder name, else None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def looks_like_step_dir(path: Path) -> bool:
     """``step_N`` or an uncommitted ``step_N.tmp``: a checkpoint folder, not a folder of them."""
     return bool(_STEP_RE.match(path.name) or _STEP_RE.match(path.name.removesuffix(".tmp")))
@@ -347,8 +353,11 @@ class CheckpointManager:
 
         A path may name a ``step_N`` folder or a folder of them (then its newest valid one is used).
         """
+        from crosstrain.checkpoint.resolve import CHECKPOINT, resolve_path  # it builds on this module
+
         self.wait()
-        info = resolve(info_or_path)
+        info = info_or_path if isinstance(info_or_path, CheckpointInfo) else \
+            resolve_path(info_or_path, accept=CHECKPOINT).info
         if not info.verified:
             self._verify_together(info.path)
         return self._checkpointer.load_into(info.path, state, group=self._group)
@@ -413,21 +422,3 @@ class CheckpointManager:
             elif name in (f"{LATEST_FILE}.tmp", f"{BEST_FILE}.tmp") and child.is_file():
                 child.unlink(missing_ok=True)  # a pointer rewrite cut short: the pointer itself is intact
 
-
-def resolve(info_or_path: CheckpointInfo | str | os.PathLike[str]) -> CheckpointInfo:
-    """A :class:`CheckpointInfo` for a step folder, or for the newest valid one in a folder of them."""
-    if isinstance(info_or_path, CheckpointInfo):
-        return info_or_path
-    path = Path(info_or_path)
-    if not path.is_dir():
-        raise CheckpointError(f"no checkpoint at {path}; pass a step_N folder or a checkpoints folder")
-    if (path / "manifest.json").exists() or _STEP_RE.match(path.name):
-        m = _STEP_RE.match(path.name)
-        return CheckpointInfo(step=int(m.group(1)) if m else -1, path=path)
-    for candidate in (path, path / "checkpoints"):
-        if step_dirs(candidate):
-            info = find_latest(candidate)
-            if info is None:
-                raise CheckpointError(f"no valid checkpoint under {candidate}; every step_N failed verification")
-            return info
-    raise CheckpointError(f"no checkpoint at {path}; pass a step_N folder or a checkpoints folder")

@@ -190,8 +190,11 @@ def gpt_config(config: Config) -> Any:
     from crosstrain.models.gpt import PRESETS, GPTConfig
 
     m = config.model
-    if m.init_from and not _crosstrain_weights(m.init_from):
-        return _pretrained_gpt_config(config)
+    if m.init_from:
+        from crosstrain.checkpoint.resolve import source_kind
+
+        if source_kind(m.init_from, what="model.init_from") == "hf":  # else crosstrain weights: shape from model.*
+            return _pretrained_gpt_config(config)
     base = PRESETS[m.preset].to_dict()
     if config.data.tokenizer:  # the vocabulary follows the tokenizer unless model.vocab_size says otherwise
         from crosstrain.data.hf_tokenizer import describe_tokenizer
@@ -204,15 +207,6 @@ def gpt_config(config: Config) -> Any:
     return GPTConfig(**base)
 
 
-def _crosstrain_weights(path: str) -> bool:
-    """``model.init_from`` names crosstrain weights (FILE.safetensors, or a run or checkpoint folder, which has no
-    HF config.json): the shape then comes from model.* as for a fresh model."""
-    from crosstrain.models.hf import is_hf_folder
-
-    p = Path(path)
-    return p.suffix == ".safetensors" or (p.is_dir() and not is_hf_folder(p))
-
-
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings", "qkv_bias")
 
 
@@ -223,9 +217,6 @@ def _pretrained_gpt_config(config: Config) -> Any:
     from crosstrain.models.hf import pretrained_config
 
     m = config.model
-    if not Path(m.init_from).is_dir():
-        raise ConfigError(f"model.init_from {m.init_from!r} is not a folder; point it at a Hugging Face model folder "
-                          "(config.json + *.safetensors)")
     fixed = [k for k in ("vocab_size", *_SHAPE_KEYS) if k != "max_seq_len" and getattr(m, k) is not None]
     if fixed:
         raise ConfigError(f"model.{fixed[0]} cannot be combined with model.init_from (the shape comes from "

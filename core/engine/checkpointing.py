@@ -90,9 +90,10 @@ class Checkpoints:
         resume = self.run.config.checkpoint.resume
         if resume == "never":
             return None
-        from crosstrain.checkpoint.manager import resolve
+        from crosstrain.checkpoint.resolve import CHECKPOINT, resolve_path
 
-        target = self.manager.latest_together() if resume == "auto" else resolve(resume)
+        target = (self.manager.latest_together() if resume == "auto"
+                  else resolve_path(resume, what="checkpoint.resume", accept=CHECKPOINT).info)
         if target is None:
             return None
         if target.step >= self.run.config.train.steps:

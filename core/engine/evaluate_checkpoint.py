@@ -14,26 +14,6 @@ from crosstrain.config import Config
 from crosstrain.errors import CheckpointError, ConfigError
 
 
-def resolve_checkpoint(path: str | Path, *, best: bool = False) -> tuple[Path, Path]:
-    """``(run_dir, step_dir)`` for a run dir, its ``checkpoints/`` folder or a ``step_N`` folder."""
-    from crosstrain.checkpoint.manager import best_problem, find_best, find_latest
-
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"{str(p)!r} does not exist; pass a run dir or a checkpoints/step_N folder")
-    if (p / "manifest.json").exists() or p.name.startswith("step_"):
-        if best:
-            raise ConfigError("--best picks a run's best checkpoint; pass the run dir, not a step_N folder")
-        return p.parent.parent, p
-    folder = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    info = find_best(folder) if best else find_latest(folder)
-    if info is None:
-        if best:
-            raise ConfigError(f"{str(p)!r} has {best_problem(folder)}")
-        raise ConfigError(f"{str(p)!r} has no valid checkpoint; pass a run dir with checkpoints or a step_N folder")
-    return folder.parent, info.path
-
-
 def evaluate_checkpoint(config: Config, step_dir: Path) -> dict[str, Any]:
     """Evaluate ``step_dir``'s weights on ``config``'s validation data (all ranks call); returns the figures
     (the same on every rank; ``rank`` says whose)."""

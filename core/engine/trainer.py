@@ -117,8 +117,10 @@ class Trainer:
         sinks, ``config.toml``, per-rank metrics, the hang watchdog and the preemption vote."""
         cfg = self.config
         resume = cfg.checkpoint.resume
-        if resume not in ("auto", "never") and not Path(resume).exists():
-            raise ConfigError(f"checkpoint.resume {resume!r} does not exist; use 'auto', 'never' or a checkpoint path")
+        if resume not in ("auto", "never"):  # 'auto' and 'never' are the other choices
+            from crosstrain.checkpoint.resolve import CHECKPOINT, source_kind
+
+            source_kind(resume, what="checkpoint.resume", accept=CHECKPOINT)
         if self.requested_run_dir is not None and Path(self.requested_run_dir).is_file():
             raise ConfigError(f"--run-dir {str(self.requested_run_dir)!r} is a file; pass a directory")
         run = self.run = build_run(cfg, self._given_recipe)

@@ -39,70 +39,41 @@ def build_model(config: Config) -> nn.Module:
 
     model = GPT(gpt_config(config))
     if config.model.init_from:
-        from crosstrain.models.hf import is_hf_folder, load_hf_weights
+        from crosstrain.checkpoint.resolve import source_kind
+        from crosstrain.models.hf import load_hf_weights
 
-        if is_hf_folder(config.model.init_from):
+        if source_kind(config.model.init_from, what="model.init_from") == "hf":
             load_hf_weights(model, config.model.init_from)
         else:
             load_crosstrain_weights(model, config.model.init_from)
     return model
 
 
-def crosstrain_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
+def crosstrain_weights(path: str, *, what: str = "model.init_from") -> tuple[dict[str, torch.Tensor], str]:
     """The full model tensors of ``FILE.safetensors`` or of a checkpoint saved under any layout (a ``step_N``
-    folder, a checkpoints folder or a run dir: the newest valid checkpoint), and the resolved source path."""
-    source = crosstrain_weights_source(path)
-    if source.is_file():
-        from crosstrain.models.hf.weights import load_safetensors
-
-        return load_safetensors(source), str(source)
+    folder, a checkpoints folder or a run dir: the newest valid checkpoint), and the path actually read.
+    ``what`` names ``path`` in errors."""
     from crosstrain.checkpoint.consolidate import load_consolidated
-    from crosstrain.errors import CheckpointError
+    from crosstrain.checkpoint.resolve import resolve_path
+    from crosstrain.models.hf.weights import load_safetensors
 
-    try:
-        return load_consolidated(source), str(source)
-    except CheckpointError as exc:
-        raise ConfigError(f"model.init_from {path!r}: {exc}") from None
-
-
-def crosstrain_weights_source(path: str) -> Any:
-    """The file or ``step_N`` folder that ``model.init_from = path`` reads (a Path)."""
-    from pathlib import Path
-
-    from crosstrain.checkpoint.manager import resolve
-    from crosstrain.errors import CheckpointError
-
-    p = Path(path)
-    if p.is_file() and p.suffix == ".safetensors":
-        return p.resolve()
-    if not p.is_dir():
-        raise ConfigError(f"model.init_from {path!r} does not exist; pass a run dir, a checkpoint folder, a "
-                          "FILE.safetensors or a Hugging Face model folder")
-    try:
-        return resolve(p).path.resolve()
-    except CheckpointError as exc:
-        if (p / "config.json").is_file() and not (p / "checkpoints").is_dir():  # meant as a Hugging Face folder
-            from crosstrain.models.hf import read_hf_config
-
-            read_hf_config(p)  # a broken config.json is the problem, not a missing checkpoint
-            raise ConfigError(f"model.init_from {path!r}: its config.json has no model_type, so it is not a Hugging "
-                              "Face model folder, and it holds no checkpoint; fix config.json or pass a run dir") \
-                from None
-        raise ConfigError(f"model.init_from {path!r}: {exc}") from None
+    source = resolve_path(path, what=what, accept=("checkpoint", "safetensors"))
+    tensors = load_safetensors(source.path) if source.kind == "safetensors" else load_consolidated(source)
+    return tensors, str(source.path.resolve())
 
 
 @torch.no_grad()
-def load_crosstrain_weights(model: nn.Module, path: str) -> None:
+def load_crosstrain_weights(model: nn.Module, path: str, *, what: str = "model.init_from") -> None:
     """Copy crosstrain weights (:func:`crosstrain_weights`) into ``model``, every name and shape checked."""
-    tensors, source = crosstrain_weights(path)
+    tensors, source = crosstrain_weights(path, what=what)
     own = model.state_dict()
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
     wrong = [k for k in own if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape)]
     if missing or unexpected or wrong:
-        what = (f"shape of {wrong[0]} {tuple(tensors[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}" if wrong
+        problem = (f"shape of {wrong[0]} {tuple(tensors[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}" if wrong
                 else f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}")
-        raise ConfigError(f"model.init_from {source} does not fit this model ({what}); set the model.* keys "
+        raise ConfigError(f"{what} {source} does not fit this model ({problem}); set the model.* keys "
                           "the source was trained with")
     for name, value in own.items():
         value.copy_(tensors[name].to(value.dtype))
@@ -113,17 +84,15 @@ def init_from_record(config: Config, model: nn.Module) -> dict[str, Any] | None:
     ``params_sha256`` of the weights as imported (call before training changes them); None without init_from."""
     if not config.model.init_from:
         return None
-    from pathlib import Path
-
+    from crosstrain.checkpoint.resolve import resolve_path
     from crosstrain.engine.state import params_sha256
-    from crosstrain.models.hf import is_hf_folder, read_hf_config
+    from crosstrain.models.hf import read_hf_config
 
     sha = params_sha256({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)})
-    if not is_hf_folder(config.model.init_from):  # crosstrain weights: the step folder or file actually read
-        return {"source": str(crosstrain_weights_source(config.model.init_from)), "format": "crosstrain",
-                "sha256": sha}
-    return {"source": str(Path(config.model.init_from).resolve()),
-            "model_type": read_hf_config(config.model.init_from).get("model_type"),
+    source = resolve_path(config.model.init_from, what="model.init_from")
+    if source.kind != "hf":  # crosstrain weights: the step folder or file actually read
+        return {"source": str(source.path.resolve()), "format": "crosstrain", "sha256": sha}
+    return {"source": str(source.path.resolve()), "model_type": read_hf_config(source.path).get("model_type"),
             "sha256": sha}
 
 

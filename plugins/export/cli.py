@@ -22,22 +22,13 @@ def default_out(source: Path, fmt: str) -> Path:
     return source.with_suffix(ext) if source.suffix != ext else source.with_name(source.stem + ".export" + ext)
 
 
-def best_or(path: str, best: bool) -> str:
-    """``path``, or with ``--best`` the ``step_N`` folder of the run's best-eval checkpoint (checkpoint.keep_best)."""
-    if not best:
-        return path
-    from crosstrain.engine.evaluate_checkpoint import resolve_checkpoint
-
-    return str(resolve_checkpoint(path, best=True)[1])
-
-
 def run_export(args: argparse.Namespace) -> int:
     from crosstrain.plugins.export.loading import load_model, save_safetensors
 
     for flag, value in (("--tolerance", args.tolerance), ("--int8-tolerance", args.int8_tolerance)):
         if not value >= 0:
             raise ExportError(f"{flag} must be >= 0 (a max abs logit error), got {value}")
-    source = Path(best_or(args.source, args.best))
+    source = Path(args.source)
     out = Path(args.out) if args.out else default_out(source, args.format)
     if args.format == "safetensors" and out.suffix != ".safetensors":
         raise ExportError(f"--out {out} must end in .safetensors for --format safetensors")
@@ -46,12 +37,12 @@ def run_export(args: argparse.Namespace) -> int:
     if args.format == "hf":
         from crosstrain.plugins.export.hf_export import export_hf
 
-        report = export_hf(source, out, max_shard_size=args.max_shard_size, dtype=args.dtype)
+        report = export_hf(source, out, max_shard_size=args.max_shard_size, dtype=args.dtype, best=args.best)
         print(json.dumps({"format": "hf", **report}) if args.json else
               f"wrote {out} ({report['model_type']}, {report['shards']} weight file(s), "
               f"{report['total_bytes'] / 1e6:.1f} MB {args.dtype}, tokenizer: {report['tokenizer']})")
         return 0
-    loaded = load_model(source)
+    loaded = load_model(source, best=args.best)
     result: dict[str, Any] = {"source": loaded.source, "format": args.format,
                               "params": loaded.model.num_params(), "config": loaded.config.to_dict()}
     if args.format == "safetensors":
@@ -83,12 +74,15 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: dict[str, Any]) -> list[int
     return encode(tokenizer, args.prompt if args.prompt is not None else "")
 
 
-def build_engine(model: str, engine: str, threads: int | None, workdir: str) -> Any:
-    """An engine for ``model``: an exported .onnx file, or anything :func:`load_model` reads (exported on the fly)."""
+def build_engine(model: str, engine: str, threads: int | None, workdir: str, best: bool = False) -> Any:
+    """An engine for ``model``: an exported .onnx file, or anything :func:`load_model` reads (exported on the fly;
+    ``best``: a run's best checkpoint)."""
     from crosstrain.plugins.export.generate import OrtEngine, TorchEngine
     from crosstrain.plugins.export.runtime import is_onnx
 
     if is_onnx(model):
+        if best:
+            raise ExportError(f"{model} is an ONNX file, and --best picks among a run's checkpoints; pass the run dir")
         if engine == "torch":
             raise ExportError(f"{model} is an ONNX file; --engine torch needs a run dir, checkpoint or .safetensors")
         if not Path(model).is_file():
@@ -96,7 +90,7 @@ def build_engine(model: str, engine: str, threads: int | None, workdir: str) -> 
         return OrtEngine(model, threads)
     from crosstrain.plugins.export.loading import load_model
 
-    loaded = load_model(model)
+    loaded = load_model(model, best=best)
     if engine == "torch":
         return TorchEngine(loaded.model, loaded.tokenizer)
     from crosstrain.plugins.export.onnx_export import export_onnx
@@ -120,7 +114,7 @@ def run_generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     engine_name = args.engine or ("onnxruntime" if str(args.model).endswith(".onnx") else "torch")
     with tempfile.TemporaryDirectory(prefix="crosstrain-generate-") as workdir:
-        engine = build_engine(best_or(args.model, args.best), engine_name, args.threads, workdir)
+        engine = build_engine(args.model, engine_name, args.threads, workdir, args.best)
         prompt = _prompt_ids(args, engine.tokenizer)
         t0 = time.perf_counter()
         new = generate(engine, prompt, args.max_new_tokens, sampling, eos_id=engine.tokenizer.get("eos_id"))[0]

@@ -17,12 +17,15 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from crosstrain.models.gpt import GPT, GPTConfig
 from crosstrain.plugins.export.errors import ExportError
+
+if TYPE_CHECKING:
+    from crosstrain.checkpoint.resolve import Resolved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,11 +78,12 @@ def _base_config(run_config: Path | None) -> dict[str, Any] | None:
     return None
 
 
-def _checkpoint_source(ckpt: Path, run_dir: Path | None) -> WeightSource:
+def _checkpoint_source(source: Resolved) -> WeightSource:
     from crosstrain.plugins.export.loading import _config_near, run_tokenizer
     from crosstrain.plugins.export.stream import CheckpointTensors
 
-    tensors = CheckpointTensors(ckpt)
+    ckpt, run_dir = source.path, source.run_dir
+    tensors = CheckpointTensors(source)
     candidates = [ckpt / "config.json", ckpt / "model_config.json"]
     if run_dir is not None:
         candidates.append(run_dir / "config.json")
@@ -89,38 +93,28 @@ def _checkpoint_source(ckpt: Path, run_dir: Path | None) -> WeightSource:
     if set(shapes) - set(_expected(cfg)):  # e.g. LoRA adapters: the plugins' export hook needs the whole state
         from crosstrain.plugins.export.loading import load_checkpoint_dir
 
-        loaded = load_checkpoint_dir(tensors.folder, run_dir)
+        loaded = load_checkpoint_dir(source)
         state = loaded.model.state_dict()
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         return WeightSource(_checked(loaded.config, shapes, str(ckpt)), loaded.tokenizer, loaded.source, shapes,
                             lambda names: {n: state[n] for n in names}, base)
     cfg = _checked(cfg, shapes, str(ckpt))
-    return WeightSource(cfg, run_tokenizer(candidates, cfg), str(tensors.folder), shapes, tensors.load, base)
+    return WeightSource(cfg, run_tokenizer(candidates, cfg), str(ckpt), shapes, tensors.load, base)
 
 
-def _loaded_source(path: Path) -> WeightSource:
+def open_source(path: str | os.PathLike[str], *, best: bool = False) -> WeightSource:
+    """What ``path`` points to (:func:`~crosstrain.checkpoint.resolve.resolve_path`): checkpoints stream; files
+    and HF folders are loaded once."""
+    from crosstrain.checkpoint.resolve import resolve_path
     from crosstrain.plugins.export.loading import load_model
 
-    loaded = load_model(path)
+    source = resolve_path(path, best=best)
+    if source.kind == "checkpoint":
+        return _checkpoint_source(source)
+    loaded = load_model(source)
     state = loaded.model.state_dict()
     return WeightSource(loaded.config, loaded.tokenizer, loaded.source, {k: tuple(v.shape) for k, v in state.items()},
                         lambda names: {n: state[n] for n in names}, loaded.extra.get("hf_config"))
-
-
-def open_source(path: str | os.PathLike[str]) -> WeightSource:
-    """Checkpoints (run dir, ``checkpoints/``, ``step_N``) stream; files and HF folders are loaded once."""
-    from crosstrain.models.hf import is_hf_folder
-    from crosstrain.plugins.export.loading import latest_checkpoint
-
-    p = Path(path)
-    if p.is_dir() and not is_hf_folder(p) and not (p / "model.safetensors").is_file():
-        if (p / "checkpoints").is_dir():
-            return _checkpoint_source(latest_checkpoint(p / "checkpoints"), p)
-        if p.name == "checkpoints":
-            return _checkpoint_source(latest_checkpoint(p), p.parent)
-        if any(p.iterdir()):
-            return _checkpoint_source(p, p.parent.parent if p.parent.name == "checkpoints" else None)
-    return _loaded_source(p)
 
 
 def _tokenizer_files(tokenizer: dict[str, Any], cfg: GPTConfig, out: Path) -> list[str]:
@@ -153,8 +147,9 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, max_shard_size: str | int = "5GB",
-              dtype: str = "float32") -> dict[str, Any]:
-    """Export ``source`` as a Hugging Face folder ``out``; returns a report (files, shards, bytes, model_type)."""
+              dtype: str = "float32", best: bool = False) -> dict[str, Any]:
+    """Export ``source`` (with ``best``: a run's best checkpoint) as a Hugging Face folder ``out``; returns a
+    report (files, shards, bytes, model_type)."""
     from crosstrain.models.hf import adapter_for, hf_config_from_gpt, parse_size, plan_shards, write_weights
 
     if dtype not in DTYPES:
@@ -162,7 +157,7 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     out_path = Path(out).resolve()
     if out_path == Path(source).resolve():
         raise ExportError(f"--out {out_path} is the source folder; export into another folder")
-    src = open_source(source)
+    src = open_source(source, best=best)
     cfg, torch_dtype = src.config, DTYPES[dtype]
     hf_config = hf_config_from_gpt(cfg, base=src.base_config, dtype=dtype, eos_id=src.tokenizer.get("eos_id"))
     adapter = adapter_for(hf_config["model_type"])

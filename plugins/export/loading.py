@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,8 @@ from typing import Any, cast
 
 import torch
 
+from crosstrain.checkpoint.consolidate import load_consolidated
+from crosstrain.checkpoint.resolve import Resolved, resolve_path
 from crosstrain.errors import CheckpointError
 from crosstrain.models.gpt import GPT, PRESETS, GPTConfig
 from crosstrain.plugins.export.errors import ExportError
@@ -26,7 +27,6 @@ META_FORMAT = "crosstrain.export_format"
 FORMAT_VERSION = "1"
 
 _GPT_FIELDS = {f.name for f in dataclasses.fields(GPTConfig)}
-_STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 @dataclass
@@ -175,30 +175,6 @@ def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------------
-def latest_checkpoint(folder: Path) -> Path:
-    """The newest checkpoint under ``folder`` (a ``checkpoints/`` folder) whose checksums verify."""
-    steps = sorted(((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()),
-                   reverse=True)
-    if not steps:
-        raise CheckpointError(f"no checkpoint (step_N folder) under {folder}; train with checkpoint.every > 0")
-    try:
-        from crosstrain.checkpoint.manager import find_latest
-    except ImportError:  # a build without the checkpoint manager: newest step_N folder
-        return steps[0][1]
-    info = find_latest(folder)
-    if info is None:
-        raise CheckpointError(f"no complete checkpoint under {folder}: every step_N failed verification")
-    return Path(info.path)
-
-
-def _consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
-    try:
-        from crosstrain.checkpoint.consolidate import load_consolidated
-    except ImportError as exc:
-        raise CheckpointError(f"cannot consolidate {ckpt}: this build has no crosstrain.checkpoint.consolidate; "
-                              "export a .safetensors file instead") from exc
-    state = load_consolidated(str(ckpt))
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def _config_near(paths: list[Path], where: str) -> GPTConfig:
@@ -209,9 +185,11 @@ def _config_near(paths: list[Path], where: str) -> GPTConfig:
                       "put the run's config.json next to it")
 
 
-def load_checkpoint_dir(ckpt: Path, run_dir: Path | None) -> LoadedModel:
+def load_checkpoint_dir(source: Resolved) -> LoadedModel:
+    """A resolved checkpoint (any layout, consolidated) with the model config beside it or in its run dir."""
+    ckpt, run_dir = source.path, source.run_dir
     config = run_config(run_dir)
-    state = export_state_dict(_consolidate(ckpt), config)
+    state = export_state_dict(load_consolidated(source), config)
     candidates = [ckpt / "config.json", ckpt / "model_config.json"]
     if run_dir is not None:
         candidates.append(run_dir / "config.json")
@@ -275,33 +253,18 @@ def load_safetensors_file(path: Path) -> LoadedModel:
     return LoadedModel(model, model.config, tokenizer, str(path))
 
 
-def load_model(path: str | os.PathLike[str]) -> LoadedModel:
-    """Load from a run dir (newest checkpoint), a ``checkpoints/`` folder, one checkpoint, a .safetensors file or a
-    Hugging Face model folder (config.json with a model_type + safetensors)."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p} does not exist; pass a run dir, a checkpoint folder or a .safetensors file")
-    if p.is_file():
-        if p.suffix == ".safetensors":
-            return load_safetensors_file(p)
-        if p.suffix == ".onnx":
-            raise ExportError(f"{p} is already an ONNX model; export needs a run dir, checkpoint or .safetensors file")
-        raise ExportError(f"{p}: unsupported file type {p.suffix!r}; pass a run dir, a checkpoint folder or a "
-                          ".safetensors file")
-    from crosstrain.models.hf import is_hf_folder
-
-    if is_hf_folder(p):
-        return load_hf_folder(p)
-    if (p / "checkpoints").is_dir():
-        return load_checkpoint_dir(latest_checkpoint(p / "checkpoints"), p)
-    if p.name == "checkpoints":
-        return load_checkpoint_dir(latest_checkpoint(p), p.parent)
-    if (p / "model.safetensors").is_file():
-        return load_safetensors_file(p / "model.safetensors")
-    run_dir = p.parent.parent if p.parent.name == "checkpoints" else None
-    if not any(p.iterdir()):
-        raise CheckpointError(f"{p} is empty; pass a run dir, a checkpoint folder or a .safetensors file")
-    return load_checkpoint_dir(p, run_dir)
+def load_model(path: str | os.PathLike[str] | Resolved, *, best: bool = False) -> LoadedModel:
+    """Load what ``path`` points to (:func:`~crosstrain.checkpoint.resolve.resolve_path`): a run dir (its newest
+    checkpoint, or with ``best`` its best one), a ``checkpoints/`` folder, one checkpoint, a .safetensors file or
+    a Hugging Face model folder (config.json with a model_type + safetensors)."""
+    if not isinstance(path, Resolved) and Path(path).suffix == ".onnx" and Path(path).is_file():
+        raise ExportError(f"{path} is already an ONNX model; export needs a run dir, checkpoint or .safetensors file")
+    source = resolve_path(path, best=best)
+    if source.kind == "safetensors":
+        return load_safetensors_file(source.path)
+    if source.kind == "hf":
+        return load_hf_folder(source.path)
+    return load_checkpoint_dir(source)
 
 
 def save_safetensors(loaded: LoadedModel, out: str | os.PathLike[str]) -> Path:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from crosstrain.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from crosstrain.checkpoint.resolve import Resolved
 
 
 def clean_name(name: str) -> str:
@@ -24,18 +27,19 @@ def clean_name(name: str) -> str:
 
 
 class CheckpointTensors:
-    """The model tensors of checkpoint ``path`` (a ``step_N`` folder), by plain GPT name, loadable in groups."""
+    """The model tensors of the checkpoint at ``path`` (see :func:`~crosstrain.checkpoint.resolve.resolve_path`),
+    by plain GPT name, loadable in groups."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str] | Resolved) -> None:
         from crosstrain.checkpoint.dcp import read_meta
-        from crosstrain.checkpoint.manager import resolve
+        from crosstrain.checkpoint.resolve import CHECKPOINT, resolve_path
         from crosstrain.checkpoint.safe_io import read_metadata
         from crosstrain.checkpoint.verify import verify
 
-        info = resolve(path)
-        if not info.verified:
-            verify(info.path).raise_if_bad()
-        self.folder = Path(info.path)
+        source = resolve_path(path, accept=CHECKPOINT)
+        if not source.verified:
+            verify(source.path).raise_if_bad()
+        self.folder = source.path
         prefix = read_meta(self.folder).get("model_prefix")
         if not prefix:
             raise CheckpointError(f"checkpoint {self.folder} holds no ModelOptimizerState entry, so it has no model "

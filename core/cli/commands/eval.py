@@ -22,12 +22,16 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from crosstrain.checkpoint.resolve import CHECKPOINT, resolve_path
     from crosstrain.config import load_config
-    from crosstrain.engine.evaluate_checkpoint import evaluate_checkpoint, resolve_checkpoint
+    from crosstrain.engine.evaluate_checkpoint import evaluate_checkpoint
     from crosstrain.errors import ConfigError
 
-    run_dir, step_dir = resolve_checkpoint(args.path, best=args.best)
-    config_file = run_dir / "config.toml"
+    source = resolve_path(args.path, accept=CHECKPOINT, best=args.best)
+    if source.run_dir is None:
+        raise ConfigError(f"{str(source.path)!r} lies outside a run's checkpoints/ folder, so its run config is "
+                          "unknown; pass the run dir or its checkpoints/step_N folder")
+    config_file = source.run_dir / "config.toml"
     if not config_file.is_file():
         raise ConfigError(f"{str(config_file)!r} is missing; crosstrain eval needs the run dir a checkpoint came from")
     overrides = [*(args.set or []), *([f"data.val_path={args.data}"] if args.data else [])]
@@ -40,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_world(config, args.nproc)
         return launch(_worker_args(args), nproc=args.nproc)
-    result = evaluate_checkpoint(config, step_dir)
+    result = evaluate_checkpoint(config, source.path)
     if result.pop("rank"):
         return 0  # every rank has the figures; rank 0 prints them
     if args.json:

@@ -151,10 +151,7 @@ class RLRecipe(Recipe):
             models["reference"] = ModelSpec(copy.deepcopy(policy), trainable=False, source=source, transform=True)
         if self.rew.model:
             rm = scalar_head_gpt(cfg)
-            try:
-                load_crosstrain_weights(rm, self.rew.model)
-            except ConfigError as exc:
-                raise ConfigError(f"reward.model: {exc}".replace("model.init_from ", "")) from None
+            load_crosstrain_weights(rm, self.rew.model, what="reward.model")
             models["reward"] = ModelSpec(rm, trainable=False, source=f"reward.model {self.rew.model}")
         from crosstrain.parallel import dp_rank_and_size
 
