@@ -4,7 +4,8 @@ A trainable model runs forward and backward, about ``6N`` FLOPs per token for ``
 (a reference, a teacher) runs forward only, ``2N`` (Kaplan et al. 2020, "Scaling Laws for Neural Language
 Models", sec. 2.1: the backward pass costs twice the forward). A model with its own ``flops_per_token(seq_len)``
 (the built-in GPT: ``6N`` + attention, PaLM's estimate) gives its training figure, so a frozen one counts a
-third of it.
+third of it. A model of a registered family (:mod:`crosstrain.models.family`) is counted by its family, which
+leaves out the parameters a token does not use (an MoE layer's unrouted experts, as the MoE plugin declares).
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ TRAIN_OVER_FORWARD = 3.0
 
 
 def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Forward + backward FLOPs per token: the model's own ``flops_per_token(seq_len)``, else ``6N``."""
+    """Forward + backward FLOPs per token: its family's estimate, else the model's own ``flops_per_token(seq_len)``,
+    else ``6N``."""
+    from crosstrain.models.family import flops_per_token
+
+    family_estimate = flops_per_token(model, seq_len)
+    if family_estimate is not None:
+        return family_estimate
     fn = getattr(model, "flops_per_token", None)
     if callable(fn):
         return float(fn(seq_len))
