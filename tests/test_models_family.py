@@ -175,6 +175,8 @@ def test_a_plugin_family_is_found_by_its_preset_and_counted_by_its_bundle():
         assert isinstance(model, Toy) and family_of(model) is TOY
         assert param_count(config) == 2 * 256 * 8 + 7  # the family's count plus the extension's
         assert training_flops_per_token(model, 32) == 6.0 * (_count(model) - _count(model) // 2)
+        assert count_flops([("model", model, True)], 32)[1]["model"]["counted"] == (
+            "forward + backward: the model's flops_per_token")  # its family's, not 6N
         assert "toy2" not in families()
         assert any("preset 'toy' belongs to family 'toy'" in e.error for e in pluginmanager.load_errors())
         _one_line(lambda: check_world(load_config(None, ["model.preset=toy", "parallel.tp=2"]), 2),

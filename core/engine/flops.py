@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from crosstrain.models.family import family_of, flops_per_token
+
 #: forward + backward FLOPs over forward FLOPs (the backward pass computes two matmuls per forward one)
 TRAIN_OVER_FORWARD = 3.0
 
@@ -22,8 +24,6 @@ TRAIN_OVER_FORWARD = 3.0
 def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """Forward + backward FLOPs per token: its family's estimate, else the model's own ``flops_per_token(seq_len)``,
     else ``6N``."""
-    from crosstrain.models.family import flops_per_token
-
     family_estimate = flops_per_token(model, seq_len)
     if family_estimate is not None:
         return family_estimate
@@ -40,7 +40,7 @@ def count_flops(models: Iterable[tuple[str, torch.nn.Module, bool]], seq_len: in
     record: dict[str, dict[str, Any]] = {}
     for name, module, trainable in models:
         train = training_flops_per_token(module, seq_len)
-        own = callable(getattr(module, "flops_per_token", None))
+        own = family_of(module) is not None or callable(getattr(module, "flops_per_token", None))
         flops = train if trainable else train / TRAIN_OVER_FORWARD
         how = {(True, True): "forward + backward: the model's flops_per_token",
                (False, True): "forward only: a third of the model's flops_per_token",
