@@ -77,6 +77,7 @@ class FamilyExtension:
 _FAMILIES: dict[str, ModelFamily] = {}  # registered in-process with register_family
 _EXTENSIONS: dict[tuple[str, str], FamilyExtension] = {}
 _PLANNED: set[int] = set()  # ids of the families whose parallel_plans are registered
+_REPORTED: set[tuple[str, str]] = set()  # (plugin, problem) already recorded: the registry is read many times
 
 
 def _clash(found: Mapping[str, ModelFamily], family: ModelFamily) -> str:
@@ -122,21 +123,26 @@ def _collect() -> tuple[dict[str, ModelFamily], list[FamilyExtension]]:
 
     found = {GPT_FAMILY.name: GPT_FAMILY, **_FAMILIES}
     exts = dict(_EXTENSIONS)
+    problems: list[tuple[str, str]] = []
     for plugin_name, result in pluginmanager.call_each("crosstrain_model_families"):
         for item in result or ():
             if isinstance(item, ModelFamily):
                 problem = _clash(found, item)
                 if problem:
-                    pluginmanager.record_error(plugin_name, problem)
+                    problems.append((plugin_name, problem))
                 else:
                     found[item.name] = _with_plans(item)
             elif isinstance(item, FamilyExtension):
                 exts[(item.family, item.name)] = item
             else:
                 what = type(item).__name__
-                pluginmanager.record_error(
-                    plugin_name, f"crosstrain_model_families returned {what}, not a ModelFamily or FamilyExtension"
+                problems.append(
+                    (plugin_name, f"crosstrain_model_families returned {what}, not a ModelFamily or FamilyExtension")
                 )
+    for plugin_name, problem in problems:
+        if (plugin_name, problem) not in _REPORTED:
+            _REPORTED.add((plugin_name, problem))
+            pluginmanager.record_error(plugin_name, problem)
     return found, list(exts.values())
 
 
