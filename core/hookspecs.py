@@ -68,6 +68,13 @@ def crosstrain_transform_model(model: torch.nn.Module, config: Any, name: str,
     """
 
 
+@hookspec
+def crosstrain_model_families() -> list[Any]:
+    """Return :class:`crosstrain.models.family.ModelFamily` bundles (a new family of models: config, presets,
+    build, checks, estimates, HF adapters) and :class:`~crosstrain.models.family.FamilyExtension` s (what a
+    transform such as MoE changes in a family's parameter and FLOP estimates). A family owns its presets."""
+
+
 @hookspec(firstresult=True)
 def crosstrain_recipe(name: str) -> Recipe | type[Recipe] | None:
     """Return the :class:`crosstrain.engine.recipe.Recipe` (or its class) called ``name``, or None.

@@ -8,7 +8,7 @@ import torch
 
 from crosstrain import kernels
 from crosstrain.errors import ConfigError
-from crosstrain.models.gpt import GPTConfig, build_gpt
+from crosstrain.models.gpt import build_gpt
 from crosstrain.parallel import ParallelDims, build_mesh, dp_rank_and_size, parallelize
 from crosstrain.parallel.activation_checkpoint import parse_ac
 from crosstrain.parallel.pp import split_stage, stage_layers
@@ -46,21 +46,6 @@ def test_bad_values():
     _one_line_error(lambda: ParallelDims(tp=0, world_size=2).resolve(), "parallel.tp=0")
     _one_line_error(lambda: ParallelDims(dp_shard=0, world_size=2).resolve(), "parallel.dp_shard=0")
     _one_line_error(lambda: ParallelDims(pp=-2, world_size=2).resolve(), "parallel.pp=-2")
-
-
-def test_validate_model():
-    tiny = GPTConfig(dim=64, n_layers=2, n_heads=4)
-    ParallelDims(tp=2, world_size=2).resolve().validate_model(tiny)
-    _one_line_error(lambda: ParallelDims(tp=3, world_size=3).resolve().validate_model(tiny),
-                    "parallel.tp=3", "model.n_heads=4")
-    gqa = GPTConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2)
-    _one_line_error(lambda: ParallelDims(tp=4, world_size=4).resolve().validate_model(gqa), "parallel.tp=4", "kv heads")
-    _one_line_error(lambda: ParallelDims(pp=3, world_size=3).resolve().validate_model(tiny),
-                    "parallel.pp=3", "model.n_layers=2")
-    tied = GPTConfig(dim=64, n_layers=2, n_heads=4, tie_embeddings=True)
-    _one_line_error(lambda: ParallelDims(pp=2, world_size=2).resolve().validate_model(tied), "tie_embeddings")
-    _one_line_error(lambda: ParallelDims(tp=2, world_size=2).resolve().validate_model(GPTConfig(vocab_size=255)),
-                    "model.vocab_size=255")
 
 
 def test_parse_activation_checkpoint():

@@ -142,7 +142,7 @@ def resolve_import_path(spec: str, key: str = "model.import_path") -> Any:
 
 def check_static(config: Config) -> None:
     """Checks that need no world size: batch/accumulation arithmetic, model preset and sequence length."""
-    from crosstrain.models.gpt import PRESETS
+    from crosstrain.models.family import family_for_preset
 
     t, m = config.train, config.model
     if t.batch_size % t.grad_accum:
@@ -157,20 +157,8 @@ def check_static(config: Config) -> None:
     if m.import_path:
         _import_target(m.import_path)
     else:
-        if m.preset not in PRESETS:
-            raise ConfigError(f"unknown model.preset {m.preset!r}; allowed: {', '.join(PRESETS)}")
-        gpt = gpt_config(config)
-        if gpt.dim % gpt.n_heads:
-            raise ConfigError(f"model.dim={gpt.dim} must be divisible by model.n_heads={gpt.n_heads}")
-        if gpt.n_heads % gpt.kv_heads:
-            raise ConfigError(f"model.n_heads={gpt.n_heads} must be divisible by model.n_kv_heads={gpt.kv_heads}")
-        if t.seq_len > gpt.max_seq_len:
-            raise ConfigError(
-                f"train.seq_len={t.seq_len} exceeds the model's max_seq_len={gpt.max_seq_len}; "
-                f"lower train.seq_len or set model.max_seq_len"
-            )
-        if config.data.path == "" and gpt.vocab_size < 256:
-            raise ConfigError(f"model.vocab_size={gpt.vocab_size} is too small for the byte-level corpus (needs 256)")
+        family = family_for_preset(m.preset)
+        family.check(family.config_from_run(config), config)
     if config.data.path and not Path(config.data.path).is_file():
         if t.recipe != "lm":  # a recipe's own file (JSONL rows), not a token file
             raise ConfigError(f"data.path {config.data.path!r} does not exist; fix the path of the file recipe "
@@ -185,44 +173,12 @@ def check_static(config: Config) -> None:
 
 
 def gpt_config(config: Config) -> Any:
-    """The :class:`~crosstrain.models.gpt.GPTConfig` of a built-in preset with the model.* overrides (vocabulary
-    from ``data.tokenizer`` when set), or of the ``model.init_from`` checkpoint."""
-    from crosstrain.models.gpt import PRESETS, GPTConfig
+    """The model config of the run's family (:mod:`crosstrain.models.family`): for the built-in GPT, the
+    :class:`~crosstrain.models.gpt.GPTConfig` of ``model.preset`` with the model.* overrides (vocabulary from
+    ``data.tokenizer`` when set), or of the ``model.init_from`` checkpoint."""
+    from crosstrain.models.family import model_config
 
-    m = config.model
-    if m.init_from:
-        from crosstrain.checkpoint.resolve import source_kind
-
-        if source_kind(m.init_from, what="model.init_from") == "hf":  # else crosstrain weights: shape from model.*
-            return _pretrained_gpt_config(config)
-    base = PRESETS[m.preset].to_dict()
-    if config.data.tokenizer:  # the vocabulary follows the tokenizer unless model.vocab_size says otherwise
-        from crosstrain.data.hf_tokenizer import describe_tokenizer
-
-        base["vocab_size"] = describe_tokenizer(config.data.tokenizer)["vocab_size"]
-    for key in ("vocab_size", *_SHAPE_KEYS):
-        value = getattr(m, key)
-        if value is not None:
-            base[key] = value
-    return GPTConfig(**base)
-
-
-_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings", "qkv_bias")
-
-
-def _pretrained_gpt_config(config: Config) -> Any:
-    """``model.init_from``: the shape is the checkpoint's config.json; only ``max_seq_len`` may be changed."""
-    import dataclasses
-
-    from crosstrain.models.hf import pretrained_config
-
-    m = config.model
-    fixed = [k for k in ("vocab_size", *_SHAPE_KEYS) if k != "max_seq_len" and getattr(m, k) is not None]
-    if fixed:
-        raise ConfigError(f"model.{fixed[0]} cannot be combined with model.init_from (the shape comes from "
-                          f"{m.init_from}/config.json); remove model.{fixed[0]}")
-    cfg = pretrained_config(m.init_from)
-    return dataclasses.replace(cfg, max_seq_len=m.max_seq_len) if m.max_seq_len else cfg
+    return model_config(config)
 
 
 def check_world(config: Config, world_size: int, memory_per_rank: int = 0) -> Any:
@@ -240,16 +196,17 @@ def check_world(config: Config, world_size: int, memory_per_rank: int = 0) -> An
                         world_size=world_size)
     estimate = 0
     if not config.model.import_path and memory_per_rank > 0 and p.layout == "auto" and p.dp_shard == -1:
-        gcfg = gpt_config(config)
         micro = max(config.train.batch_size // max(world_size, 1) // config.train.grad_accum, 1)
-        estimate = layoutmod.estimate_train_bytes(layoutmod.gpt_param_count(gcfg), gcfg, micro,
-                                                  config.train.seq_len, config.optim.name)
+        estimate = layoutmod.estimate_train_bytes(config, micro)
     choice = layoutmod.choose_layout(dims, p.layout, estimate, memory_per_rank)
     layoutmod.apply_layout(dims, choice)
     dims = dims.resolve() or dims
     dims.layout_choice = choice
     if not config.model.import_path:
-        dims.validate_model(gpt_config(config))
+        from crosstrain.models.family import family_for_preset
+
+        family = family_for_preset(config.model.preset)
+        family.validate_parallel(family.config_from_run(config), dims)
     from crosstrain.config.rules import check_rules
 
     check_rules(config, dims)

@@ -4,7 +4,8 @@ A trainable model runs forward and backward, about ``6N`` FLOPs per token for ``
 (a reference, a teacher) runs forward only, ``2N`` (Kaplan et al. 2020, "Scaling Laws for Neural Language
 Models", sec. 2.1: the backward pass costs twice the forward). A model with its own ``flops_per_token(seq_len)``
 (the built-in GPT: ``6N`` + attention, PaLM's estimate) gives its training figure, so a frozen one counts a
-third of it.
+third of it. A model of a registered family (:mod:`crosstrain.models.family`) is counted by its family, which
+leaves out the parameters a token does not use (an MoE layer's unrouted experts, as the MoE plugin declares).
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ from typing import Any
 
 import torch
 
+from crosstrain.models.family import family_of, flops_per_token
+
 #: forward + backward FLOPs over forward FLOPs (the backward pass computes two matmuls per forward one)
 TRAIN_OVER_FORWARD = 3.0
 
 
 def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Forward + backward FLOPs per token: the model's own ``flops_per_token(seq_len)``, else ``6N``."""
+    """Forward + backward FLOPs per token: its family's estimate, else the model's own ``flops_per_token(seq_len)``,
+    else ``6N``."""
+    family_estimate = flops_per_token(model, seq_len)
+    if family_estimate is not None:
+        return family_estimate
     fn = getattr(model, "flops_per_token", None)
     if callable(fn):
         return float(fn(seq_len))
@@ -33,7 +40,7 @@ def count_flops(models: Iterable[tuple[str, torch.nn.Module, bool]], seq_len: in
     record: dict[str, dict[str, Any]] = {}
     for name, module, trainable in models:
         train = training_flops_per_token(module, seq_len)
-        own = callable(getattr(module, "flops_per_token", None))
+        own = family_of(module) is not None or callable(getattr(module, "flops_per_token", None))
         flops = train if trainable else train / TRAIN_OVER_FORWARD
         how = {(True, True): "forward + backward: the model's flops_per_token",
                (False, True): "forward only: a third of the model's flops_per_token",

@@ -62,28 +62,6 @@ class ParallelDims:
             )
         return self
 
-    def validate_model(self, cfg: Any) -> None:
-        """Raise :class:`ConfigError` when the model cannot be split this way (``cfg`` is a ``GPTConfig``)."""
-        n_heads = getattr(cfg, "n_heads", None)
-        kv_heads = getattr(cfg, "kv_heads", None) or getattr(cfg, "n_kv_heads", None) or n_heads
-        n_layers = getattr(cfg, "n_layers", None)
-        if self.tp > 1:
-            if n_heads is not None and n_heads % self.tp:
-                raise ConfigError(f"parallel.tp={self.tp} must divide model.n_heads={n_heads}; pick a divisor")
-            if kv_heads is not None and kv_heads % self.tp:
-                raise ConfigError(f"parallel.tp={self.tp} must divide the kv heads ({kv_heads}); pick a divisor")
-            hidden = getattr(cfg, "hidden_dim", None)
-            if hidden is not None and hidden % self.tp:
-                raise ConfigError(f"parallel.tp={self.tp} must divide the model's ffn hidden size {hidden}")
-            vocab = getattr(cfg, "vocab_size", None)
-            if vocab is not None and vocab % self.tp:
-                raise ConfigError(f"parallel.tp={self.tp} must divide model.vocab_size={vocab}; pad the vocabulary")
-        if self.pp > 1:
-            if n_layers is not None and self.pp > n_layers:
-                raise ConfigError(f"parallel.pp={self.pp} exceeds model.n_layers={n_layers}; use pp <= n_layers")
-            if getattr(cfg, "tie_embeddings", False):
-                raise ConfigError("parallel.pp > 1 cannot split tied embeddings; set model.tie_embeddings=false")
-
     # -- derived ----------------------------------------------------------------------------------
     @property
     def dp_degree(self) -> int:

@@ -4,10 +4,9 @@ FSDP2 gathers every unit's parameters in forward and backward and reduce-scatter
 all-reduces gradient buckets, overlapped with backward. When a full replica fits, DDP is the faster of the
 two (issue 21 measured 0.46 s vs 0.55 s per step for the 3.3M ``small`` GPT on 2 gloo ranks), and the memory
 FSDP2 saves buys nothing. The estimate is the usual mixed-precision accounting of the ZeRO paper
-(Rajbhandari et al. 2020, sec. 3.1: parameters + gradients + optimizer state per parameter) plus a per-layer
-activation estimate (Korthikanti et al. 2022, "Reducing Activation Recomputation", sec. 4.1: about
-``34 s b h`` bytes per layer in 16-bit, so ``68 s b h`` in fp32, with the ``5 a s^2 b`` attention term dropped
-because crosstrain uses scaled_dot_product_attention) and the logits (fp32 logits, their softmax and gradient).
+(Rajbhandari et al. 2020, sec. 3.1: parameters + gradients + optimizer state per parameter) plus the model
+family's activation estimate (the built-in GPT's: Korthikanti et al. 2022, "Reducing Activation Recomputation",
+sec. 4.1, and the logits; see :func:`crosstrain.models.gpt_family.activation_bytes`).
 """
 
 from __future__ import annotations
@@ -31,24 +30,15 @@ class LayoutChoice:
     budget_bytes: int = 0
 
 
-def gpt_param_count(gpt_cfg: Any) -> int:
-    """Parameters of the built-in GPT with this config, counted on the meta device (nothing is allocated)."""
-    import torch
+def estimate_train_bytes(config: Any, micro_batch: int) -> int:
+    """Bytes one DDP rank holds while training the run's model (a registered family's, see
+    :mod:`crosstrain.models.family`, with what plugins' transforms add, such as MoE experts): the training state
+    per parameter plus the family's activation estimate (sources in the module docstring)."""
+    from crosstrain.models.family import family_for_preset, param_count
 
-    from crosstrain.models.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(gpt_cfg)
-    return sum(p.numel() for p in model.parameters())
-
-
-def estimate_train_bytes(n_params: int, gpt_cfg: Any, micro_batch: int, seq_len: int, optim_name: str) -> int:
-    """Bytes one DDP rank holds while training (see the module docstring for the formula's sources)."""
-    state = n_params * _STATE_BYTES.get(optim_name, _STATE_BYTES["adamw"])
-    dim, layers, vocab = int(gpt_cfg.dim), int(gpt_cfg.n_layers), int(gpt_cfg.vocab_size)
-    activations = 68 * seq_len * micro_batch * dim * layers
-    logits = 3 * 4 * seq_len * micro_batch * vocab
-    return state + activations + logits
+    family = family_for_preset(config.model.preset)
+    state = param_count(config) * _STATE_BYTES.get(config.optim.name, _STATE_BYTES["adamw"])
+    return state + family.activation_bytes(family.config_from_run(config), micro_batch, config.train.seq_len)
 
 
 def choose_layout(dims: Any, requested: str, estimate_bytes: int, budget_bytes: int) -> LayoutChoice:

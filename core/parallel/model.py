@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from crosstrain import kernels
 from crosstrain.errors import ConfigError
+from crosstrain.models.family import family_of
 from crosstrain.parallel import activation_checkpoint as ac
 from crosstrain.parallel import fsdp as dp
 from crosstrain.parallel import grad as gradmod
@@ -277,9 +278,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
         raise ConfigError(f"precision.dtype={precision!r} is not allowed; use one of {', '.join(PRECISIONS)}")
     if dims.dp_shard == -1:
         dims.resolve()
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
-        dims.validate_model(cfg)
+    family = family_of(model)
+    if family is not None:  # a model of a registered family (crosstrain.models.family) checks the split itself
+        family.validate_parallel(model.config, dims)
     check_expert_model(model, dims)
     if compile and dims.tp > 1:
         # Observed with torch 2.13 (aot_eager and inductor): the backward of DTensor's redistribution inside a

@@ -35,9 +35,9 @@ def build_model(config: Config) -> nn.Module:
             raise ConfigError(f"model.import_path {config.model.import_path!r} returned "
                               f"{type(model).__name__}, not a torch.nn.Module")
         return model
-    from crosstrain.models.gpt import GPT
+    from crosstrain.models.family import family_for_preset
 
-    model = GPT(gpt_config(config))
+    model = family_for_preset(config.model.preset).build(gpt_config(config))
     if config.model.init_from:
         from crosstrain.checkpoint.resolve import source_kind
         from crosstrain.models.hf import load_hf_weights

@@ -1,4 +1,5 @@
-"""The MoE plugin's hooks: the ``[moe]`` section, the model transform and the aux-loss-free bias update."""
+"""The MoE plugin's hooks: the ``[moe]`` section, the model transform, its contribution to the GPT family's
+estimates and the aux-loss-free bias update."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def crosstrain_transform_model(model: torch.nn.Module, config: Any, name: str) -
     from crosstrain.plugins.moe.setup import transform
 
     return transform(model, config)
+
+
+@crosstrain.hookimpl
+def crosstrain_model_families() -> list[Any]:
+    from crosstrain.plugins.moe.family import MOE_EXTENSION
+
+    return [MOE_EXTENSION]
 
 
 @crosstrain.hookimpl

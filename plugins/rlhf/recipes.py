@@ -19,6 +19,7 @@ from torch import nn
 from crosstrain.config import Config, gpt_config
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
 from crosstrain.errors import ConfigError
+from crosstrain.models.family import swap_scalar_head
 from crosstrain.plugins.rlhf import data as rdata
 from crosstrain.plugins.rlhf import synthetic
 from crosstrain.plugins.rlhf.lora import adapters_disabled
@@ -159,16 +160,9 @@ class RewardRecipe(RLHFRecipe):
 
     def build_models(self, context: Any) -> dict[str, ModelSpec]:
         model = self._policy(context)
-        if getattr(model, "output", None) is None or getattr(model, "config", None) is None:
-            raise ConfigError("--recipe rm needs the built-in GPT (it replaces its output head); "
-                              "unset model.import_path")
-        if model.config.tie_embeddings:  # type: ignore[union-attr]  # (tp > 1: refused in plugins/rlhf/rules.py)
+        if getattr(getattr(model, "config", None), "tie_embeddings", False):  # (tp > 1: refused in rules.py)
             raise ConfigError("--recipe rm needs model.tie_embeddings=false (its scalar head replaces the LM head)")
-        dim = int(model.config.dim)  # type: ignore[union-attr, arg-type]
-        head = nn.Linear(dim, 1, bias=False)
-        nn.init.normal_(head.weight, std=dim**-0.5)
-        model.output = head
-        return {"reward": ModelSpec(model)}
+        return {"reward": ModelSpec(swap_scalar_head(model, "normal", who="--recipe rm"))}
 
     def rewards(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         scores = model(batch["input_ids"])[..., 0].float()  # [2B, T]

@@ -71,4 +71,8 @@ ADAPTERS: dict[str, StateDictAdapter] = {name: StateDictAdapter(name) for name i
 
 
 def adapter_for(model_type: str) -> StateDictAdapter:
-    return ADAPTERS[model_type]
+    """The adapter of ``model_type`` from the family that registered it (:func:`crosstrain.models.family.hf_adapter`:
+    these three are the ``gpt`` family's; a plugin's family brings its own)."""
+    from crosstrain.models.family import hf_adapter
+
+    return hf_adapter(model_type)

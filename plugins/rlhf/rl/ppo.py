@@ -14,6 +14,7 @@ from torch import nn
 from crosstrain.config import Config
 from crosstrain.engine.recipe import ModelSpec
 from crosstrain.errors import ConfigError
+from crosstrain.models.family import swap_scalar_head
 from crosstrain.plugins.rlhf.rl.advantages import gae, whiten
 from crosstrain.plugins.rlhf.rl.aggregate import aggregate
 from crosstrain.plugins.rlhf.rl.policy_loss import clipped_value_loss
@@ -32,10 +33,7 @@ class PPORecipe(RLRecipe):
             raise ConfigError("--recipe ppo needs model.tie_embeddings=false (its value head replaces the LM head)")
 
     def extra_models(self, config: Config, policy: nn.Module) -> dict[str, ModelSpec]:
-        value = copy.deepcopy(policy)
-        head = nn.Linear(int(value.config.dim), 1, bias=False)  # type: ignore[union-attr, arg-type]
-        nn.init.zeros_(head.weight)
-        value.output = head
+        value = swap_scalar_head(copy.deepcopy(policy), "zeros", who="--recipe ppo")
         return {"value": ModelSpec(value)}
 
     def _values(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

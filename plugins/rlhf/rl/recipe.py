@@ -26,6 +26,7 @@ from crosstrain.config import Config, gpt_config
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
 from crosstrain.errors import ConfigError
 from crosstrain.generation import GenerationConfig, generate
+from crosstrain.models.family import swap_scalar_head
 from crosstrain.plugins.rlhf.rl import tasks
 from crosstrain.plugins.rlhf.rl.aggregate import aggregate, global_sums
 from crosstrain.plugins.rlhf.rl.kl import AdaptiveKLController, kl_estimate
@@ -64,9 +65,7 @@ def scalar_head_gpt(config: Config) -> nn.Module:
     """The built-in GPT with its LM head replaced by ``Linear(dim, 1)`` (the rm recipe's reward model shape)."""
     from crosstrain.models.gpt import GPT
 
-    model = GPT(gpt_config(config))
-    model.output = nn.Linear(int(model.config.dim), 1, bias=False)
-    return model
+    return swap_scalar_head(GPT(gpt_config(config)), "default", who="reward.model")
 
 
 class RLRecipe(Recipe):
