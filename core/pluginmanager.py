@@ -6,7 +6,6 @@ A plugin that fails to import is recorded in :func:`load_errors` and skipped; it
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from collections.abc import Callable
@@ -132,15 +131,6 @@ def call_strict(hook_name: str, what: str, **kwargs: Any) -> list[tuple[str, Any
         except Exception as exc:
             raise PluginError(f"plugin {impl.plugin_name!r} failed to {what}: {type(exc).__name__}: {exc}") from exc
     return results
-
-
-def import_module_safely(name: str) -> Any:
-    """Import a module or return None, recording the failure as a plugin error."""
-    try:
-        return importlib.import_module(name)
-    except Exception as exc:
-        record_error(name, exc)
-        return None
 
 
 def _invalidate() -> None:
