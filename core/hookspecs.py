@@ -89,17 +89,6 @@ def crosstrain_recipe_names() -> list[str]:
 
 
 @hookspec
-def crosstrain_transform_gradients(model: torch.nn.Module, step: int, context: RunContext, name: str) -> None:
-    """Modify gradients in place, once per trainable model (``name``) and step.
-
-    Contract: runs after backward and the data-parallel reduction, after fp16 unscaling, before clipping and
-    the optimizer step; each rank sees the gradients it holds (full tensors under DDP, its shards, as
-    DTensors, under FSDP2/TP). Used for secure aggregation and differential privacy. A raising plugin stops
-    the run.
-    """
-
-
-@hookspec
 def crosstrain_after_optimizer_step(context: RunContext, step: int) -> None:
     """Called on every rank after each optimizer step (also a skipped non-finite one) and the LR schedule.
 

@@ -164,13 +164,15 @@ def _call(hook_name: str, kwargs: dict[str, Any], on_impl_error: Callable[[HookI
             else:
                 gen.send(values)
             gen.close()
-            problem = PluginError(f"its wrapper of {hook_name} yielded twice; yield once")
+            problem = PluginError(f"plugin {wrapper.plugin_name!r}: its wrapper of {hook_name} yielded twice; "
+                                  "yield once")
         except StopIteration as stop:
             error = outcome.exception if wrapper.hookwrapper else None
             replaced = stop.value if not wrapper.hookwrapper else values if error else outcome.get_result()
             if error is None and not (isinstance(replaced, list) and len(replaced) == len(results)):
-                problem = PluginError(f"its wrapper of {hook_name} returned {replaced!r}; return the list of "
-                                      f"{len(results)} results it was given (changed or not)")
+                problem = PluginError(f"plugin {wrapper.plugin_name!r}: its wrapper of {hook_name} returned "
+                                      f"{replaced!r}; return the list of {len(results)} results it was given "
+                                      "(changed or not)")
             elif error is None:
                 results = [(name, value) for (name, _), value in zip(results, replaced, strict=True)]
         except Exception as exc:

@@ -376,8 +376,8 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds: each trainable model + its optimizer (resharding) and schedule, the frozen
-        models' record, counters, data position and loss scale, per-rank RNG (``RankLocal``), the recipe's
-        state and the extras plugins return from ``crosstrain_checkpoint_state``."""
+        models' record, counters, data position and loss scale, per-rank RNG (``RankLocal``) and the recipe's
+        state."""
         from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal
 
         primary = self.primary
@@ -390,14 +390,10 @@ class Trainer:
             state["frozen"] = FrozenRecord(self.models)
         state.update({"trainer": self.counters, "data": DataState(self.sampler, self.scaler),
                       "rng": RankLocal(self.rng_state)})
-        extras = [(f"recipe {self.recipe.name!r}", self.recipe.state())]
-        extras += [(f"plugin {name!r}", extra) for name, extra in pluginmanager.call_strict(
-            "crosstrain_checkpoint_state", "add checkpoint state", context=self.context)]
-        for owner, extra in extras:
-            for key, value in (extra or {}).items():
-                if key in state:
-                    raise PluginError(f"{owner} checkpoint key {key!r} clashes with another key")
-                state[key] = value
+        for key, value in (self.recipe.state() or {}).items():
+            if key in state:
+                raise PluginError(f"recipe {self.recipe.name!r} checkpoint key {key!r} clashes with another key")
+            state[key] = value
         return state
 
     def _resume(self) -> None:
@@ -512,14 +508,9 @@ class Trainer:
             # collective) was started at the end of the previous step and has completed during this one's compute.
             self.checkpoints.check_background()
         next_step = self.counters.step + 1
-        for m in self.trainable:  # every optimizer, the hook and clipping see gradients laid out as their params
+        for m in self.trainable:  # every optimizer and clipping see gradients laid out as their params
             m.parallel.align_grads_()
         self.scaler.unscale_(self.params)
-        # Contract of crosstrain_transform_gradients: after the data-parallel reduction and the unscaling, before
-        # clipping; each rank sees the gradients it holds (full under DDP, its shards under FSDP2/TP).
-        for m in self.trainable:
-            pluginmanager.call_strict("crosstrain_transform_gradients", "transform the gradients", model=m.module,
-                                      step=next_step, context=self.context, name=m.name)
         grad_norms = {m.name: float(m.parallel.clip_grad_norm_(cfg.optim.grad_clip)) for m in self.trainable}
         grad_norm = grad_norms[primary.name]  # 0: measure only
         finite = math.isfinite(loss_value) and all(math.isfinite(g) for g in grad_norms.values())
