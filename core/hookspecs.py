@@ -3,7 +3,8 @@
 
 Implementations live in modules listed under the ``crosstrain`` entry-point group and are marked with
 :data:`crosstrain.hookimpl`. Each hook is a small, documented extension point, in the style of pytest's
-hookspecs. An implementation may take any subset of a hook's arguments.
+hookspecs. An implementation may take any subset of a hook's arguments. Every hook here has an implementer in
+a shipped plugin (``tests/test_pluginmanager.py`` checks it); ``crosstrain plugins`` lists who implements what.
 
 A plugin that brings its own extension points (the export plugin's ``crosstrain_export_state_dict``, the
 observability plugin's ``crosstrain_report_panels``) adds their specs from ``crosstrain_add_hookspecs``.
@@ -52,7 +53,9 @@ def crosstrain_register_backends() -> list[Backend]:
 
 @hookspec
 def crosstrain_config_sections() -> dict[str, type]:
-    """Return ``{section_name: pydantic model class}`` to add config sections (e.g. ``moe``, ``fl``)."""
+    """Return ``{section_name: pydantic model class}`` to add config sections (e.g. ``moe``, ``fl``). A section is
+    validated with ``context={"config": <the validated core sections>}``, so its validators may check it against
+    them (``observability.profile_steps`` against ``train.steps``)."""
 
 
 @hookspec

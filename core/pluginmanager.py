@@ -167,8 +167,11 @@ def _call(hook_name: str, kwargs: dict[str, Any], on_impl_error: Callable[[HookI
             problem = PluginError(f"plugin {wrapper.plugin_name!r}: its wrapper of {hook_name} yielded twice; "
                                   "yield once")
         except StopIteration as stop:
-            error = outcome.exception if wrapper.hookwrapper else None
-            replaced = stop.value if not wrapper.hookwrapper else values if error else outcome.get_result()
+            if wrapper.hookwrapper:  # it may have forced another result or exception on the outcome
+                error = outcome.exception
+                replaced = values if error is not None else outcome.get_result()
+            else:  # it returned (a result, also after swallowing the exception thrown into it)
+                error, replaced = None, stop.value
             if error is None and not (isinstance(replaced, list) and len(replaced) == len(results)):
                 problem = PluginError(f"plugin {wrapper.plugin_name!r}: its wrapper of {hook_name} returned "
                                       f"{replaced!r}; return the list of {len(results)} results it was given "
