@@ -9,7 +9,6 @@ process group, every op is a local no-op (single-process mode).
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -253,7 +252,3 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}

@@ -3,11 +3,17 @@
 
 Implementations live in modules listed under the ``crosstrain`` entry-point group and are marked with
 :data:`crosstrain.hookimpl`. Each hook is a small, documented extension point, in the style of pytest's
-hookspecs. An implementation may take any subset of a hook's arguments.
+hookspecs. An implementation may take any subset of a hook's arguments. Every hook here has an implementer in
+a shipped plugin (``tests/test_pluginmanager.py`` checks it); ``crosstrain plugins`` lists who implements what.
+
+A plugin that brings its own extension points (the export plugin's ``crosstrain_export_state_dict``, the
+observability plugin's ``crosstrain_report_panels``) adds their specs from ``crosstrain_add_hookspecs``.
 
 Order: every hook is called in plugin registration order (entry points load sorted by name; in-process
 ``crosstrain.pluginmanager.register`` appends), first registered first. ``@hookimpl(tryfirst=True)`` moves
-an implementation to the front and ``trylast=True`` to the back.
+an implementation to the front and ``trylast=True`` to the back. Hook wrappers (``@hookimpl(wrapper=True)`` or
+``hookwrapper=True``) run around all the implementations of a call, as in pluggy: the first (``tryfirst``, then
+registration order) outermost; each gets the list of results at its ``yield``.
 
 Run-time hooks receive ``context``, a :class:`crosstrain.engine.context.RunContext` (config, run dir, rank and
 world, mesh and dims, device, models and optimizers by name, step, ``emit_event``, ``request_stop``).
@@ -31,22 +37,25 @@ if TYPE_CHECKING:
     from crosstrain.backend import Backend
     from crosstrain.engine.context import RunContext
     from crosstrain.engine.recipe import Recipe
-    from crosstrain.kernels import KernelRegistry
+
+
+@hookspec(historic=True)
+def crosstrain_add_hookspecs(pluginmanager: pluggy.PluginManager) -> None:
+    """Add this plugin's own hook specifications with ``pluginmanager.add_hookspecs(module)``, so other plugins can
+    implement them. Called once for each plugin as it registers (pytest's ``pytest_addhooks``)."""
 
 
 @hookspec
 def crosstrain_register_backends() -> list[Backend]:
-    """Return Backend instances this plugin provides. Two plugins may not claim one backend name."""
-
-
-@hookspec
-def crosstrain_register_kernels(registry: KernelRegistry) -> None:
-    """Declare new ops (with a reference implementation) or register implementations of existing ops."""
+    """Return Backend instances this plugin provides (fast kernels come with a backend:
+    ``Backend.register_kernels``). Two plugins may not claim one backend name."""
 
 
 @hookspec
 def crosstrain_config_sections() -> dict[str, type]:
-    """Return ``{section_name: pydantic model class}`` to add config sections (e.g. ``moe``, ``fl``)."""
+    """Return ``{section_name: pydantic model class}`` to add config sections (e.g. ``moe``, ``fl``). A section is
+    validated with ``context={"config": <the validated core sections>}``, so its validators may check it against
+    them (``observability.profile_steps`` against ``train.steps``)."""
 
 
 @hookspec
@@ -79,7 +88,8 @@ def crosstrain_model_families() -> list[Any]:
 def crosstrain_recipe(name: str) -> Recipe | type[Recipe] | None:
     """Return the :class:`crosstrain.engine.recipe.Recipe` (or its class) called ``name``, or None.
 
-    The first plugin to return one wins; built-in recipes (``lm``) take precedence.
+    The first plugin (in call order) to return one wins and the rest are not asked; built-in recipes (``lm``)
+    take precedence.
     """
 
 
@@ -89,28 +99,12 @@ def crosstrain_recipe_names() -> list[str]:
 
 
 @hookspec
-def crosstrain_transform_gradients(model: torch.nn.Module, step: int, context: RunContext, name: str) -> None:
-    """Modify gradients in place, once per trainable model (``name``) and step.
-
-    Contract: runs after backward and the data-parallel reduction, after fp16 unscaling, before clipping and
-    the optimizer step; each rank sees the gradients it holds (full tensors under DDP, its shards, as
-    DTensors, under FSDP2/TP). Used for secure aggregation and differential privacy. A raising plugin stops
-    the run.
-    """
-
-
-@hookspec
 def crosstrain_after_optimizer_step(context: RunContext, step: int) -> None:
     """Called on every rank after each optimizer step (also a skipped non-finite one) and the LR schedule.
 
     For plugins that change parameters once a step or a round ends (federated averaging). A raising plugin
     stops the run.
     """
-
-
-@hookspec
-def crosstrain_checkpoint_state(context: RunContext) -> dict[str, Any]:
-    """Return extra ``{key: Stateful}`` objects to save with every checkpoint and restore on resume."""
 
 
 @hookspec
@@ -128,16 +122,6 @@ def crosstrain_metrics_sinks(config: Any) -> list[Any]:
 @hookspec
 def crosstrain_after_train(context: RunContext, run_dir: str) -> None:
     """Called once after training ends (e.g. export the model for inference)."""
-
-
-@hookspec
-def crosstrain_export_state_dict(state_dict: dict[str, torch.Tensor], config: Any) -> None:
-    """Turn a consolidated model state dict (plain names, full CPU tensors) into plain GPT weights, in place,
-    before ``crosstrain export`` or the after-train export builds the model from it (e.g. merge LoRA adapters).
-
-    ``config`` is the run's :class:`crosstrain.config.Config`, or None when the source has no run config.
-    Called in registration order, each on the previous one's result; a raising plugin stops the export.
-    """
 
 
 @hookspec

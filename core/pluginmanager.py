@@ -6,15 +6,15 @@ A plugin that fails to import is recorded in :func:`load_errors` and skipped; it
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, cast
 
 import pluggy
+from pluggy import HookImpl
 
 from crosstrain import hookspecs
 
@@ -60,6 +60,7 @@ def plugin_manager() -> pluggy.PluginManager:
         if _manager is None:
             pm = pluggy.PluginManager(hookspecs.PROJECT)
             pm.add_hookspecs(hookspecs)
+            pm.hook.crosstrain_add_hookspecs.call_historic(kwargs={"pluginmanager": pm})
             _load_entry_points(pm)
             _manager = pm
         return _manager
@@ -84,14 +85,109 @@ def load_errors() -> list[PluginLoadError]:
     return list(_errors)
 
 
-def ordered_impls(hook_name: str) -> list[Any]:
-    """A hook's implementations in call order: ``tryfirst`` ones, then the rest in registration order (first
-    registered first), then ``trylast`` ones. pluggy itself calls last-registered first; crosstrain
-    documents and uses registration order, so model transforms apply in the order plugins were added."""
-    impls = [i for i in getattr(plugin_manager().hook, hook_name).get_hookimpls() if not (i.hookwrapper or i.wrapper)]
+def _in_call_order(impls: list[HookImpl]) -> list[HookImpl]:
     first = [i for i in impls if i.tryfirst]
     last = [i for i in impls if i.trylast]
     return first + [i for i in impls if not (i.tryfirst or i.trylast)] + last
+
+
+def _hook_impls(hook_name: str) -> list[HookImpl]:
+    caller = getattr(plugin_manager().hook, hook_name, None)
+    return [] if caller is None else list(caller.get_hookimpls())  # pluggy lists them registration order
+
+
+def ordered_impls(hook_name: str) -> list[HookImpl]:
+    """A hook's implementations in call order: ``tryfirst`` ones, then the rest in registration order (first
+    registered first), then ``trylast`` ones. pluggy itself calls last-registered first; crosstrain
+    documents and uses registration order, so model transforms apply in the order plugins were added.
+    Wrappers are not in this list: :func:`call_each` and :func:`call_strict` run them around it."""
+    return _in_call_order([i for i in _hook_impls(hook_name) if not (i.hookwrapper or i.wrapper)])
+
+
+def hook_wrappers(hook_name: str) -> list[HookImpl]:
+    """A hook's wrappers (``wrapper=True`` or old-style ``hookwrapper=True``), outermost first."""
+    return _in_call_order([i for i in _hook_impls(hook_name) if i.hookwrapper or i.wrapper])
+
+
+def _is_firstresult(hook_name: str) -> bool:
+    caller = getattr(plugin_manager().hook, hook_name, None)
+    return bool(caller is not None and caller.spec is not None and caller.spec.opts.get("firstresult"))
+
+
+def _call(hook_name: str, kwargs: dict[str, Any], on_impl_error: Callable[[HookImpl, Exception], None],
+          on_wrapper_error: Callable[[HookImpl, Exception], None]) -> list[tuple[str, Any]]:
+    """Every implementation in :func:`ordered_impls` order inside the hook's wrappers (the outermost first).
+
+    A wrapper gets the list of results at its ``yield`` (an old-style one a ``pluggy.Result``) and may replace
+    it with a list of the same length; an exception from an implementation is thrown into it. A
+    ``firstresult`` hook stops at the first result that is not None.
+    """
+    from crosstrain.errors import PluginError
+
+    first_only = _is_firstresult(hook_name)
+    started: list[tuple[HookImpl, Generator[Any, Any, Any]]] = []
+    error: BaseException | None = None
+    for wrapper in hook_wrappers(hook_name):
+        try:
+            gen = cast(Generator[Any, Any, Any], wrapper.function(**{k: kwargs[k] for k in wrapper.argnames}))
+            next(gen)
+        except Exception as exc:
+            try:
+                on_wrapper_error(wrapper, exc)
+            except Exception as raised:
+                error = raised
+                break
+            continue
+        started.append((wrapper, gen))
+    results: list[tuple[str, Any]] = []
+    try:
+        for impl in ordered_impls(hook_name) if error is None else []:
+            try:
+                value = impl.function(**{k: kwargs[k] for k in impl.argnames})
+            except Exception as exc:
+                on_impl_error(impl, exc)
+                continue
+            results.append((impl.plugin_name, value))
+            if first_only and value is not None:
+                break
+    except BaseException as exc:
+        error = exc
+    for wrapper, gen in reversed(started):
+        problem: Exception | None = None
+        values = [v for _, v in results]
+        outcome = pluggy.Result(values if error is None else None, error)
+        try:
+            if wrapper.hookwrapper:
+                gen.send(outcome)
+            elif error is not None:
+                gen.throw(error)
+            else:
+                gen.send(values)
+            gen.close()
+            problem = PluginError(f"plugin {wrapper.plugin_name!r}: its wrapper of {hook_name} yielded twice; "
+                                  "yield once")
+        except StopIteration as stop:
+            if wrapper.hookwrapper:  # it may have forced another result or exception on the outcome
+                error = outcome.exception
+                replaced = values if error is not None else outcome.get_result()
+            else:  # it returned (a result, also after swallowing the exception thrown into it)
+                error, replaced = None, stop.value
+            if error is None and not (isinstance(replaced, list) and len(replaced) == len(results)):
+                problem = PluginError(f"plugin {wrapper.plugin_name!r}: its wrapper of {hook_name} returned "
+                                      f"{replaced!r}; return the list of {len(results)} results it was given "
+                                      "(changed or not)")
+            elif error is None:
+                results = [(name, value) for (name, _), value in zip(results, replaced, strict=True)]
+        except Exception as exc:
+            problem = None if exc is error else exc
+        if problem is not None:
+            try:
+                on_wrapper_error(wrapper, problem)
+            except Exception as raised:  # call_strict: the outer wrappers still see it, then the caller
+                error = raised
+    if error is not None:
+        raise error
+    return results
 
 
 def call_each(hook_name: str, *, on_error: Callable[[str, BaseException], None] | None = None,
@@ -99,48 +195,33 @@ def call_each(hook_name: str, *, on_error: Callable[[str, BaseException], None] 
     """Call a hook on every plugin separately, so one raising plugin is reported and the rest still run.
 
     Returns ``(plugin_name, result)`` for every implementation that returned without raising, in
-    :func:`ordered_impls` order; ``on_error(plugin_name, exc)`` hears of each one that raised.
+    :func:`ordered_impls` order, inside the hook's wrappers (see :func:`_call`); ``on_error(plugin_name, exc)``
+    hears of each implementation or wrapper that raised (a raising wrapper leaves the results as they were).
     """
-    results: list[tuple[str, Any]] = []
-    for impl in ordered_impls(hook_name):
-        args = {k: kwargs[k] for k in impl.argnames}
-        try:
-            results.append((impl.plugin_name, impl.function(**args)))
-        except Exception as exc:
-            record_error(impl.plugin_name, exc)
-            if on_error is not None:
-                on_error(impl.plugin_name, exc)
-    return results
+
+    def report(impl: HookImpl, exc: Exception) -> None:
+        record_error(impl.plugin_name, exc)
+        if on_error is not None:
+            on_error(impl.plugin_name, exc)
+
+    return _call(hook_name, kwargs, report, report)
 
 
 def call_strict(hook_name: str, what: str, **kwargs: Any) -> list[tuple[str, Any]]:
-    """Call a hook on every plugin in :func:`ordered_impls` order; a raising plugin stops the run (PluginError).
+    """Call a hook on every plugin in :func:`ordered_impls` order, inside its wrappers; a raising implementation
+    or wrapper stops the run (PluginError).
 
-    For run-time hooks whose silent failure would change what training does (gradient transforms for secure
-    aggregation or differential privacy, extra checkpoint state, after-train exports). ``what`` completes the
-    message "plugin X failed to ...".
+    For run-time hooks whose silent failure would change what training does (model transforms, recipes,
+    after-train exports). ``what`` completes the message "plugin X failed to ...".
     """
     from crosstrain.errors import CrosstrainError, PluginError
 
-    results: list[tuple[str, Any]] = []
-    for impl in ordered_impls(hook_name):
-        args = {k: kwargs[k] for k in impl.argnames}
-        try:
-            results.append((impl.plugin_name, impl.function(**args)))
-        except CrosstrainError:
-            raise
-        except Exception as exc:
-            raise PluginError(f"plugin {impl.plugin_name!r} failed to {what}: {type(exc).__name__}: {exc}") from exc
-    return results
+    def stop(impl: HookImpl, exc: Exception) -> None:
+        if isinstance(exc, CrosstrainError):
+            raise exc
+        raise PluginError(f"plugin {impl.plugin_name!r} failed to {what}: {type(exc).__name__}: {exc}") from exc
 
-
-def import_module_safely(name: str) -> Any:
-    """Import a module or return None, recording the failure as a plugin error."""
-    try:
-        return importlib.import_module(name)
-    except Exception as exc:
-        record_error(name, exc)
-        return None
+    return _call(hook_name, kwargs, stop, stop)
 
 
 def _invalidate() -> None:

@@ -10,7 +10,6 @@ import torch
 from crosstrain import hookimpl, pluginmanager, registry
 from crosstrain.backend import Backend
 from crosstrain.backends.cpu.device import CpuDevice
-from crosstrain.checkpoint import LocalCheckpointer
 from crosstrain.checkpoint.dcp import DCPCheckpointer
 from crosstrain.checkpoint.manager import CheckpointManager
 from crosstrain.checkpoint.safe_io import HashingFileSystemWriter, SafeFileSystemReader
@@ -49,11 +48,18 @@ class StorageBackend(Backend):
         return RecordingCheckpointer()
 
 
+class FolderCheckpointer:
+    """A checkpointer of another shape (files of its own), not a DCPCheckpointer."""
+
+    def save(self, state, path) -> None:
+        raise AssertionError("never called: the manager refuses it first")
+
+
 class LocalOnlyBackend(StorageBackend):
     name = "localbox"
 
     def checkpointer(self):  # type: ignore[override]
-        return LocalCheckpointer()
+        return FolderCheckpointer()
 
 
 class Plugin:
@@ -87,7 +93,7 @@ def test_manager_uses_the_active_backends_checkpointer(storage_plugin, tmp_path:
 
 
 def test_a_backend_without_a_dcp_checkpointer_is_a_one_line_error(storage_plugin, tmp_path: Path) -> None:
-    with pytest.raises(PluginError, match=r"^backend 'localbox': checkpointer\(\) returned a LocalCheckpointer, "
+    with pytest.raises(PluginError, match=r"^backend 'localbox': checkpointer\(\) returned a FolderCheckpointer, "
                                           r"but trainer checkpoints need .*DCPCheckpointer; return a subclass[^\n]*$"):
         CheckpointManager(tmp_path, backend=registry.get_backend("localbox"))
 

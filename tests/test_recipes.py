@@ -175,20 +175,14 @@ class _Contract:
     """Records what the run-time hooks see."""
 
     def __init__(self) -> None:
-        self.hook_norms: list[float] = []
         self.contexts: list[Any] = []
         self.after_steps: list[int] = []
         self.sink_info: Any = None
         self.events: list[tuple[int, str]] = []
 
     @hookimpl
-    def crosstrain_transform_gradients(self, model, step, context, name):
-        self.contexts.append(context)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        self.hook_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
-
-    @hookimpl
     def crosstrain_after_optimizer_step(self, context, step):
+        self.contexts.append(context)
         self.after_steps.append(step)
         if step == context.config.train.steps:
             with torch.no_grad():  # a round ends: replace the parameters (what federated averaging does)
@@ -215,15 +209,13 @@ class _Contract:
         return [Sink()]
 
 
-def test_gradient_hook_sees_unscaled_gradients_and_after_step_hook_is_wired(tmp_path, plugin) -> None:
+def test_after_step_hook_and_sinks_are_wired(tmp_path, plugin) -> None:
     hooks = plugin(_Contract(), "contract")
     cfg = _config(tmp_path, "precision.dtype=fp16", "optim.grad_clip=0", "checkpoint.every=2")
     trainer = Trainer(cfg, run_dir=tmp_path / "r")
     trainer.fit()
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["loss_scale"] == 2.0**16
-    # the hook ran after unscaling: the norm it saw is the one the loop measures next, not 65536x it
-    assert hooks.hook_norms == pytest.approx([x["grad_norm"] for x in lines], rel=1e-5)
     assert all(isinstance(c, RunContext) and c.run_dir == tmp_path / "r" for c in hooks.contexts)
     assert hooks.after_steps == [1, 2, 3, 4]
     # the after-step hook zeroed the parameters at the last step, after the optimizer had run

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from nan_steps import NaNSteps
 
-from crosstrain import hookimpl, pluginmanager
+from crosstrain import pluginmanager
 from crosstrain.cli.main import main
 
 SMALL = ["train.batch_size=4", "train.seq_len=32", "logging.progress=none", "logging.tensorboard=false",
@@ -72,22 +73,11 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys) 
         assert snapshot(run) == before
 
 
-class _NaNFrom:
-    def __init__(self, first: int) -> None:
-        self.first = first
-
-    @hookimpl
-    def crosstrain_transform_gradients(self, model, step, context):
-        if step >= self.first:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
-
-
 def test_a_run_ending_in_non_finite_steps_is_not_done(tmp_path, capsys) -> None:
-    pluginmanager.register(_NaNFrom(4), name="nan-from-4")
+    pluginmanager.register(NaNSteps(first=4), name="nan-from-4")
     try:
-        code = main(_train(tmp_path / "run", "train.steps=5", "fault.max_consecutive_nonfinite=5"))
+        code = main(_train(tmp_path / "run", "train.recipe=lm_nan", "train.steps=5",
+                           "fault.max_consecutive_nonfinite=5"))
     finally:
         pluginmanager.unregister("nan-from-4")
     captured = capsys.readouterr()

@@ -9,11 +9,13 @@ import textwrap
 import pytest
 import shared_ranks
 import torch
+from nan_steps import NaNSteps
 
 from crosstrain import hookimpl, pluginmanager
 from crosstrain.config import load_config
 from crosstrain.engine import Trainer, TrainingError
 from crosstrain.errors import ConfigError
+from crosstrain.recipes.lm import LMRecipe
 
 SMALL = ["train.steps=8", "train.batch_size=4", "train.seq_len=32", "logging.progress=none", "backend=cpu",
          "schedule.warmup_steps=2"]
@@ -77,21 +79,28 @@ class _PreemptAt:
         if step == self.at:
             context.request_stop("test preemption")
 
-    @hookimpl
-    def crosstrain_checkpoint_state(self, context):
-        return {"demo_counter": self.extra}
+
+class _CountingLM(LMRecipe):
+    """``lm`` with extra checkpointed state: the recipe's ``state()`` is saved and restored with the run."""
+
+    def __init__(self, counter: _Counter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def state(self):
+        return {"demo_counter": self.counter}
 
 
 def test_preempt_and_resume_is_exact(tmp_path, plugin) -> None:
     reference = Trainer(_config(tmp_path, "train.steps=10"), run_dir=tmp_path / "ref").fit()
     hook = plugin(_PreemptAt(4), "preempt-at-4")
     cfg = _config(tmp_path, "train.steps=10", "checkpoint.every=3")
-    first = Trainer(cfg, run_dir=tmp_path / "run").fit()
+    first = Trainer(cfg, run_dir=tmp_path / "run", recipe=_CountingLM(hook.extra)).fit()
     assert first["preempted"] is True and first["steps"] == 4
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_3", "step_4"]
     hook.at = -1
-    hook.extra.value = 100  # restored from the checkpoint by the crosstrain_checkpoint_state hook
-    second = Trainer(cfg, run_dir=tmp_path / "run").fit()
+    hook.extra.value = 100  # restored from the checkpoint through the recipe's state()
+    second = Trainer(cfg, run_dir=tmp_path / "run", recipe=_CountingLM(hook.extra)).fit()
     assert second["steps_this_run"] == 6 and second["preempted"] is False
     assert hook.extra.value == 4 + 6
     assert second["losses"] == reference["losses"][4:]
@@ -101,24 +110,12 @@ def test_preempt_and_resume_is_exact(tmp_path, plugin) -> None:
     assert steps == list(range(1, 11))
 
 
-class _NaNGrads:
-    def __init__(self, steps: set[int]) -> None:
-        self.steps = steps
-
-    @hookimpl
-    def crosstrain_transform_gradients(self, model, step, context):
-        if step in self.steps:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
-
-
 def _weights(context) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in context.models["model"].state_dict().items()}
 
 
 def test_nonfinite_step_is_skipped(tmp_path, plugin) -> None:
-    plugin(_NaNGrads({3}), "nan-at-3")
+    plugin(NaNSteps({3}), "nan-at-3")
     snapshots = {}
 
     class Snap:
@@ -127,7 +124,7 @@ def test_nonfinite_step_is_skipped(tmp_path, plugin) -> None:
             snapshots[step] = _weights(context)
 
     plugin(Snap(), "snap")
-    summary = Trainer(_config(tmp_path), run_dir=tmp_path / "r").fit()
+    summary = Trainer(_config(tmp_path, "train.recipe=lm_nan"), run_dir=tmp_path / "r").fit()
     assert summary["nonfinite_steps"] == 1 and summary["steps"] == 8 and summary["rollbacks"] == 0
     assert all(torch.equal(snapshots[2][k], snapshots[3][k]) for k in snapshots[2])  # step 3 changed nothing
     assert any(not torch.equal(snapshots[3][k], snapshots[4][k]) for k in snapshots[3])
@@ -137,12 +134,13 @@ def test_nonfinite_step_is_skipped(tmp_path, plugin) -> None:
 
 
 def test_consecutive_nonfinite_rolls_back_or_fails(tmp_path, plugin) -> None:
-    plugin(_NaNGrads({5, 6}), "nan-5-6")
-    cfg = _config(tmp_path, "fault.max_consecutive_nonfinite=2", "checkpoint.every=4")
+    plugin(NaNSteps({5, 6}), "nan-5-6")
+    cfg = _config(tmp_path, "train.recipe=lm_nan", "fault.max_consecutive_nonfinite=2", "checkpoint.every=4")
     summary = Trainer(cfg, run_dir=tmp_path / "r").fit()
     assert summary["rollbacks"] == 1 and summary["nonfinite_steps"] == 2 and summary["steps"] == 8
     with pytest.raises(TrainingError, match="no checkpoint to roll back to"):
-        Trainer(_config(tmp_path, "fault.max_consecutive_nonfinite=2"), run_dir=tmp_path / "r2").fit()
+        Trainer(_config(tmp_path, "train.recipe=lm_nan", "fault.max_consecutive_nonfinite=2"),
+                run_dir=tmp_path / "r2").fit()
 
 
 def test_grad_accumulation_matches_one_big_batch(tmp_path) -> None:
@@ -301,17 +299,17 @@ def test_console_line_and_jsonl_non_finite(tmp_path) -> None:
 
 
 def test_failing_runtime_hooks_stop_the_run_naming_the_plugin(tmp_path, plugin) -> None:
-    """A gradient transform (secure aggregation, DP noise) that raises must never be skipped silently."""
+    """A plugin that changes the parameters after a step (federated averaging) and raises is never skipped."""
     from crosstrain.errors import PluginError
 
     class BrokenAggregation:
         @hookimpl
-        def crosstrain_transform_gradients(self, model, step, context):
+        def crosstrain_after_optimizer_step(self, context, step):
             if step == 2:
                 raise ConnectionError("aggregation server unreachable")
 
     plugin(BrokenAggregation(), "secagg")
-    with pytest.raises(PluginError, match="plugin 'secagg' failed to transform the gradients: ConnectionError"):
+    with pytest.raises(PluginError, match="plugin 'secagg' failed to act after the optimizer step: ConnectionError"):
         Trainer(_config(tmp_path), run_dir=tmp_path / "grads").fit()
     pluginmanager.unregister("secagg")
 

@@ -1,6 +1,3 @@
-"""Checkpoint interface and the core's local-filesystem implementation."""
-
-from crosstrain.checkpoint.interface import Checkpointer, SaveHandle
-from crosstrain.checkpoint.local import LocalCheckpointer
-
-__all__ = ["Checkpointer", "LocalCheckpointer", "SaveHandle"]
+"""Checkpoints: :class:`crosstrain.checkpoint.manager.CheckpointManager` saves, resumes and prunes a run's
+checkpoints through the active backend's :class:`crosstrain.checkpoint.dcp.DCPCheckpointer` (sharded DCP files
+with an atomic, checksummed commit); see docs/checkpointing.md."""

@@ -1,4 +1,4 @@
-"""A :class:`Checkpointer` on ``torch.distributed.checkpoint`` with an atomic, checksummed commit.
+"""The checkpointer: ``torch.distributed.checkpoint`` with an atomic, checksummed commit.
 
 Folder layout of one checkpoint (``step_N/``)::
 
@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from crosstrain.checkpoint import space
 from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal
-from crosstrain.checkpoint.interface import Checkpointer, SaveHandle
 from crosstrain.checkpoint.manifest import (
     FORMAT_VERSION,
     META_FILE,
@@ -103,8 +102,9 @@ class Prepared:
     extra_files: dict[str, bytes] = field(default_factory=dict)
 
 
-class DCPCheckpointer(Checkpointer):
-    """Sharded checkpoints through DCP. Every rank of ``process_group`` calls save/load with its shards."""
+class DCPCheckpointer:
+    """Sharded checkpoints through DCP. Every rank of ``process_group`` calls save/load with its shards;
+    loading never executes pickled code, and a crash leaves ``path`` complete or absent."""
 
     #: the DCP storage writer class, called as ``writer_factory(folder, thread_count=N)``; it must record
     #: ``digests`` for the manifest like :class:`HashingFileSystemWriter`. Backends subclass to change storage;
@@ -237,11 +237,10 @@ class DCPCheckpointer(Checkpointer):
         agree(error, "committing")
         return manifest
 
-    def save(self, state: Mapping[str, Any], path: str | os.PathLike[str], *, async_save: bool = False,
-             step: int = 0) -> SaveHandle:
-        """Synchronous save (``async_save`` is handled by :class:`CheckpointManager`)."""
+    def save(self, state: Mapping[str, Any], path: str | os.PathLike[str], *, step: int = 0) -> None:
+        """Write ``state`` under ``path`` and return once it is committed (:class:`CheckpointManager` saves in the
+        background by calling :meth:`prepare` and :meth:`write` itself)."""
         self.write(self.prepare(state, step), path)
-        return SaveHandle()
 
     # -- loading --------------------------------------------------------------------------------------
     def load(self, path: str | os.PathLike[str], state: Mapping[str, Any] | None = None) -> dict[str, Any]:

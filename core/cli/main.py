@@ -14,7 +14,8 @@ from crosstrain import __version__
 from crosstrain.errors import CrosstrainError
 
 #: core subcommand modules under ``crosstrain.cli.commands``; each defines ``add_parser(subparsers)``.
-CORE_COMMANDS = ("train", "eval", "data", "tokenizer", "checkpoint", "backends", "kernels", "doctor")
+CORE_COMMANDS = ("train", "eval", "data", "tokenizer", "checkpoint", "backends", "plugins", "kernels",
+                 "doctor")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -38,10 +38,6 @@ class DistributedBatchSampler:
         self._perm: np.ndarray | None = None
         self._perm_epoch = -1
 
-    @property
-    def micro_batch_size(self) -> int:
-        return self.global_batch // (self.dp_size * self.micro_batches)
-
     def _permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
             if self.shuffle:
@@ -60,7 +56,7 @@ class DistributedBatchSampler:
             self.offset = 0
         batch = self._permutation()[self.offset : self.offset + self.global_batch]
         self.offset += self.global_batch
-        m = self.micro_batch_size
+        m = self.global_batch // (self.dp_size * self.micro_batches)
         return list(batch.reshape(self.micro_batches, self.dp_size, m)[:, self.dp_rank])
 
     def state_dict(self) -> dict[str, Any]:

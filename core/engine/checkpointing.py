@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from crosstrain import pluginmanager
 from crosstrain.engine.counters import Counters, DataState
 from crosstrain.engine.models import FrozenRecord
 from crosstrain.engine.run import Run
@@ -28,8 +27,8 @@ class TrainingError(CrosstrainError):
 
 def checkpoint_state(run: Run, counters: Counters, rng: Any) -> dict[str, Any]:
     """What a checkpoint holds: each trainable model + its optimizer (resharding) and schedule, the frozen
-    models' record, counters, data position and loss scale, per-rank RNG (``RankLocal``), the recipe's
-    state and the extras plugins return from ``crosstrain_checkpoint_state``."""
+    models' record, counters, data position and loss scale, per-rank RNG (``RankLocal``) and the recipe's
+    state."""
     from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal
 
     primary = run.primary
@@ -41,18 +40,10 @@ def checkpoint_state(run: Run, counters: Counters, rng: Any) -> dict[str, Any]:
     if len(run.trainable) != len(run.models):
         state["frozen"] = FrozenRecord(run.models)
     state.update({"trainer": counters, "data": DataState(run.sampler, run.scaler), "rng": RankLocal(rng)})
-    extras = [(f"recipe {run.recipe.name!r}", run.recipe.state())]
-    extras += [
-        (f"plugin {name!r}", extra)
-        for name, extra in pluginmanager.call_strict(
-            "crosstrain_checkpoint_state", "add checkpoint state", context=run.context
-        )
-    ]
-    for owner, extra in extras:
-        for key, value in (extra or {}).items():
-            if key in state:
-                raise PluginError(f"{owner} checkpoint key {key!r} clashes with another key")
-            state[key] = value
+    for key, value in (run.recipe.state() or {}).items():
+        if key in state:
+            raise PluginError(f"recipe {run.recipe.name!r} checkpoint key {key!r} clashes with another key")
+        state[key] = value
     return state
 
 

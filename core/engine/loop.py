@@ -3,7 +3,7 @@
 1. draw the step's ``grad_accum`` micro-batches and move them to the device;
 2. ``recipe.prepare_step(micro_batches, context)``;
 3. forward and backward of each micro-batch (gradient sync on the last only);
-4. fence an async checkpoint save, unscale, ``crosstrain_transform_gradients``, clip, optimizer step (skipped
+4. fence an async checkpoint save, unscale, clip, optimizer step (skipped
    when the loss or a gradient norm is non-finite), loss-scale update, LR schedule;
 5. ``recipe.after_optimizer_step(context, step)``, then the plugins' ``crosstrain_after_optimizer_step``.
 """
@@ -58,20 +58,9 @@ def train_step(run: Run, counters: Counters, checkpoints: Any = None) -> dict[st
         # collective) was started at the end of the previous step and has completed during this one's compute.
         checkpoints.check_background()
     next_step = counters.step + 1
-    for m in trainable:  # every optimizer, the hook and clipping see gradients laid out as their params
+    for m in trainable:  # every optimizer and clipping see gradients laid out as their params
         m.parallel.align_grads_()
     run.scaler.unscale_([p for m in trainable for p in m.params])
-    # Contract of crosstrain_transform_gradients: after the data-parallel reduction and the unscaling, before
-    # clipping; each rank sees the gradients it holds (full under DDP, its shards under FSDP2/TP).
-    for m in trainable:
-        pluginmanager.call_strict(
-            "crosstrain_transform_gradients",
-            "transform the gradients",
-            model=m.module,
-            step=next_step,
-            context=run.context,
-            name=m.name,
-        )
     grad_norms = {m.name: float(m.parallel.clip_grad_norm_(cfg.optim.grad_clip)) for m in trainable}
     grad_norm = grad_norms[primary.name]  # 0: measure only
     finite = math.isfinite(loss_value) and all(math.isfinite(g) for g in grad_norms.values())

@@ -154,9 +154,10 @@ class RankMetrics:
     @classmethod
     def for_run(cls, config: Any, run_dir: str | Path, rank: int, world_size: int,
                 emit: Callable[[int, str, dict[str, Any]], None], resume_step: int) -> RankMetrics | None:
-        """From ``[observability]``; None when ``per_rank`` is off."""
-        obs = config.observability
-        if not obs.per_rank:
+        """From ``[observability]`` (the observability plugin's section); None when ``per_rank`` is off or the
+        plugin is not loaded."""
+        obs = config.plugins.get("observability")
+        if obs is None or not obs.per_rank:
             return None
         return cls(run_dir, rank, world_size, emit, resume_step=resume_step, fraction=obs.straggler_fraction,
                    steps=obs.straggler_steps, min_s=obs.straggler_min_s)

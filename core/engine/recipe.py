@@ -170,4 +170,4 @@ def resolve_recipe(name: str) -> Recipe:
                               "not a crosstrain.engine.recipe.Recipe")
         return recipe
     raise ConfigError(f"train.recipe={name!r} is not a known recipe; known: {', '.join(recipe_names())} "
-                      "(plugins add more; `crosstrain backends` lists the loaded plugins)")
+                      "(plugins add more; `crosstrain plugins` lists the loaded plugins and their recipes)")

@@ -20,9 +20,15 @@ from typing import Any
 from crosstrain.errors import ConfigError
 
 
+def _hang_dump_s(config: Any) -> float:
+    """``observability.hang_dump_s`` (the observability plugin's section); 0 (off) without the plugin."""
+    obs = config.plugins.get("observability")
+    return float(obs.hang_dump_s) if obs is not None else 0.0
+
+
 def check_hang_dump(config: Any) -> None:
     """Raises ConfigError unless ``hang_dump_s`` is off (0) or below the collective timeout."""
-    limit, timeout = config.observability.hang_dump_s, config.fault.collective_timeout_s
+    limit, timeout = _hang_dump_s(config), config.fault.collective_timeout_s
     if limit and limit >= timeout:
         raise ConfigError(f"observability.hang_dump_s = {limit:g} must be shorter than fault.collective_timeout_s = "
                           f"{timeout:g}, or the collective timeout ends the run first; lower it (or 0 = off)")
@@ -34,7 +40,7 @@ class HangWatchdog:
     @classmethod
     def for_run(cls, config: Any, run_dir: Path, rank: int, emit: Callable[[int, str, dict[str, Any]], None],
                 step: int) -> HangWatchdog | None:
-        limit = config.observability.hang_dump_s
+        limit = _hang_dump_s(config)
         return cls(run_dir, rank, limit, emit, step) if limit else None
 
     def __init__(self, run_dir: Path, rank: int, timeout_s: float, emit: Callable[[int, str, dict[str, Any]], None],

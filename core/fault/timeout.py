@@ -1,7 +1,7 @@
 """Collectives that fail with one clear line naming the operation, the rank and the timeout.
 
 A dead or hung peer makes a torch.distributed call raise a backend error after the process group's timeout
-(gloo: "Timed out waiting ... for recv", "Connection closed by peer"). :func:`guard` turns it into a
+(gloo: "Timed out waiting ... for recv", "Connection closed by peer"). :func:`guarded` turns it into a
 :class:`~crosstrain.errors.CollectiveError` that says which collective, on which rank, after how long.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from crosstrain.errors import CollectiveError
@@ -41,20 +40,8 @@ def _error(op: str, rank: int, timeout: float | datetime.timedelta | None, start
     )
 
 
-@contextmanager
-def guard(op: str, rank: int, timeout: float | datetime.timedelta | None = None) -> Iterator[None]:
-    """Re-raise backend failures inside the block as :class:`CollectiveError` naming ``op`` and ``rank``."""
-    start = time.monotonic()
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as exc:  # DistBackendError / DistNetworkError are RuntimeErrors
-        raise _error(op, rank, timeout, start, exc) from exc
-
-
 def guarded(op: str) -> Callable[[F], F]:
-    """Decorate a ``Collective`` method so backend failures raise :class:`CollectiveError` (see :func:`guard`).
+    """Decorate a ``Collective`` method so backend failures raise :class:`CollectiveError` naming ``op`` and the rank.
 
     The success path costs one ``time.monotonic()`` call; the rank is looked up only on failure.
     """
@@ -67,7 +54,7 @@ def guarded(op: str) -> Callable[[F], F]:
                 return fn(self, *args, **kwargs)
             except CollectiveError:
                 raise
-            except RuntimeError as exc:
+            except RuntimeError as exc:  # DistBackendError / DistNetworkError are RuntimeErrors
                 raise _error(op, getattr(self, "rank", -1), getattr(self, "timeout", None), start, exc) from exc
 
         return inner  # type: ignore[return-value]

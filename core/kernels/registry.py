@@ -197,7 +197,6 @@ class KernelRegistry:
 
         for name, (fn, doc) in CORE_OPS.items():
             self.declare(name, fn, doc)
-        plugins.call_each("crosstrain_register_kernels", registry=self)
         for backend in backend_registry.backends().values():
             try:
                 backend.register_kernels(self)

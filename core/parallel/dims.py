@@ -81,10 +81,6 @@ class ParallelDims:
         return self.tp > 1
 
     @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
 

@@ -68,11 +68,6 @@ def ep_mesh(mesh: Any, dims: ParallelDims) -> Any:
     return mesh["ep"]
 
 
-def sub_mesh(mesh: Any, name: str) -> Any:
-    """The 1-D sub-mesh ``name`` (``"tp"``, ``"pp"``, ...), or None without a mesh."""
-    return None if mesh is None else mesh[name]
-
-
 def dp_rank_and_size(mesh: Any, dims: ParallelDims) -> tuple[int, int]:
     """This rank's data-parallel index and the number of data-parallel replicas (for the data sampler).
 

@@ -1,4 +1,5 @@
-"""The export plugin's hooks: CLI commands, the ``export`` config section and the after-train export."""
+"""The export plugin's hooks: its own hook spec (``crosstrain_export_state_dict``), CLI commands,
+the ``export`` config section and the after-train export."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ class ExportSection(BaseModel):
     tolerance: float = Field(default=1e-4, gt=0)
     int8_tolerance: float = Field(default=1.0, gt=0)
     opset: int | None = None
+
+
+@crosstrain.hookimpl
+def crosstrain_add_hookspecs(pluginmanager: Any) -> None:
+    from crosstrain.plugins.export import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 @crosstrain.hookimpl

@@ -1,5 +1,5 @@
 """The MoE plugin's hooks: the ``[moe]`` section, the model transform, its contribution to the GPT family's
-estimates and the aux-loss-free bias update."""
+estimates, the aux-loss-free bias update and the expert-load report panel."""
 
 from __future__ import annotations
 
@@ -41,6 +41,14 @@ def crosstrain_after_optimizer_step(context: Any, step: int) -> None:
         for layer in moe_layers(context.models[name]):
             if layer.cfg.bias_update_rate > 0:
                 layer.update_bias()
+
+
+@crosstrain.hookimpl
+def crosstrain_report_panels() -> list[Any]:
+    """The expert load the MoE layers report (``moe/<layer>/max_load``) on ``crosstrain report``."""
+    from crosstrain.plugins.observability.panels import Panel
+
+    return [Panel("moe_max_load", "MoE expert load (max share per layer)", ("moe/*/max_load",), "max load")]
 
 
 @crosstrain.hookimpl

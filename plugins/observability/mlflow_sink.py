@@ -75,7 +75,7 @@ class MlflowSink:
         except ImportError:
             print(missing_message(), file=sys.stderr, flush=True)
             raise SystemExit(2) from None  # not an Exception: a sink hook's failure would only be logged
-        obs = config.observability
+        obs = config.section("observability")
         self.params = flatten(config.to_dict())  # TOML key names, as in config.toml
         self.tracking_uri: str = obs.mlflow_tracking_uri
         self.experiment: str = obs.mlflow_experiment

@@ -18,9 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import pluggy
-
-hookspec = pluggy.HookspecMarker("crosstrain")
+from crosstrain.hookspecs import hookspec
 
 
 @dataclass(frozen=True)
@@ -65,15 +63,9 @@ def crosstrain_report_panels() -> list[Panel]:
 
 
 def report_panels() -> list[Panel]:
-    """The built-in panels, then every plugin's (the hook's spec is added on first use)."""
-    import sys
-
+    """The built-in panels, then every plugin's in plugin order (a raising plugin is reported and left out)."""
     from crosstrain import pluginmanager
 
-    pm = pluginmanager.plugin_manager()
-    caller = getattr(pm.hook, "crosstrain_report_panels", None)
-    if caller is None or not caller.has_spec():
-        pm.add_hookspecs(sys.modules[__name__])
-    extra = [p for panels in pm.hook.crosstrain_report_panels() for p in panels or []]
+    extra = [p for _, panels in pluginmanager.call_each("crosstrain_report_panels") for p in panels or []]
     seen = {p.id for p in BUILTIN}
     return [*BUILTIN, *[p for p in extra if p.id not in seen and not seen.add(p.id)]]  # type: ignore[func-returns-value]

@@ -1,5 +1,5 @@
-"""The observability plugin's hooks: ``crosstrain report``, the Prometheus and MLflow sinks and report panels of
-known plugin metrics (MoE expert load, RLHF rewards and KL)."""
+"""The observability plugin's hooks: the ``[observability]`` section, ``crosstrain report``, the Prometheus and
+MLflow sinks, the profiler, and the ``crosstrain_report_panels`` hook other plugins implement for their metrics."""
 
 from __future__ import annotations
 
@@ -12,6 +12,20 @@ _profiler: Any = None
 
 
 @crosstrain.hookimpl
+def crosstrain_add_hookspecs(pluginmanager: Any) -> None:
+    from crosstrain.plugins.observability import panels
+
+    pluginmanager.add_hookspecs(panels)
+
+
+@crosstrain.hookimpl
+def crosstrain_config_sections() -> dict[str, type]:
+    from crosstrain.plugins.observability.config import ObservabilityConfig
+
+    return {"observability": ObservabilityConfig}
+
+
+@crosstrain.hookimpl
 def crosstrain_add_commands(subparsers: argparse._SubParsersAction) -> None:
     from crosstrain.plugins.observability.cli import add_commands
 
@@ -21,7 +35,7 @@ def crosstrain_add_commands(subparsers: argparse._SubParsersAction) -> None:
 @crosstrain.hookimpl
 def crosstrain_on_step_end(context: Any, step: int, metrics: dict[str, float]) -> None:
     global _profiler
-    spec = context.config.observability.profile_steps
+    spec = context.config.section("observability").profile_steps
     if not spec:
         return
     from crosstrain.plugins.observability.profiler import StepProfiler, parse_steps
@@ -33,7 +47,7 @@ def crosstrain_on_step_end(context: Any, step: int, metrics: dict[str, float]) -
 
 @crosstrain.hookimpl
 def crosstrain_metrics_sinks(config: Any) -> list[Any]:
-    obs = config.observability
+    obs = config.section("observability")
     sinks: list[Any] = []
     if obs.prometheus_port:
         from crosstrain.plugins.observability.prometheus import PrometheusSink
@@ -45,11 +59,3 @@ def crosstrain_metrics_sinks(config: Any) -> list[Any]:
         sinks.append(MlflowSink(config))
     return sinks
 
-
-@crosstrain.hookimpl
-def crosstrain_report_panels() -> list[Any]:
-    from crosstrain.plugins.observability.panels import Panel
-
-    return [Panel("moe_max_load", "MoE expert load (max share per layer)", ("moe/*/max_load",), "max load"),
-            Panel("rlhf_rewards", "RLHF rewards", ("rewards/*",), "reward"),
-            Panel("rlhf_kl", "RLHF KL to the reference", ("kl", "objective/kl", "*/kl"), "KL")]

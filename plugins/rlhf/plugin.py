@@ -1,4 +1,5 @@
-"""The plugin's hooks: the ``sft``, ``rm``, ``dpo``, ``grpo`` and ``ppo`` recipes and their config sections."""
+"""The plugin's hooks: the ``sft``, ``rm``, ``dpo``, ``grpo`` and ``ppo`` recipes, their config sections and
+report panels."""
 
 from __future__ import annotations
 
@@ -79,6 +80,15 @@ def crosstrain_export_state_dict(state_dict: dict[str, Any], config: Any) -> Non
     merged = merge_lora(state_dict, lora.alpha / lora.rank)
     state_dict.clear()
     state_dict.update(merged)
+
+
+@hookimpl
+def crosstrain_report_panels() -> list[Any]:
+    """The rewards and KL the preference and RL recipes report, on ``crosstrain report``."""
+    from crosstrain.plugins.observability.panels import Panel
+
+    return [Panel("rlhf_rewards", "RLHF rewards", ("rewards/*",), "reward"),
+            Panel("rlhf_kl", "RLHF KL to the reference", ("kl", "objective/kl", "*/kl"), "KL")]
 
 
 @hookimpl

@@ -19,8 +19,7 @@ def test_round_trip(backend, device, tmp_path):
     model = {"w": torch.randn(3, 5, device=dev), "b": torch.arange(4, device=dev, dtype=torch.int64),
              "bf16": torch.randn(6, device=dev).to(torch.bfloat16)}
     optim = {"step": 7, "lrs": [0.1, 0.01], "name": "adamw", "flag": True, "none": None}
-    handle = ckpt.save({"model": model, "optim": optim}, tmp_path / "step_1", step=1)
-    handle.wait()
+    ckpt.save({"model": model, "optim": optim}, tmp_path / "step_1", step=1)
     assert ckpt.exists(tmp_path / "step_1")
     assert not ckpt.exists(tmp_path / "missing")
     assert verify(tmp_path / "step_1").ok, "every file must match the manifest's SHA-256"
