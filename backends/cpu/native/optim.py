@@ -17,6 +17,7 @@ import torch
 from crosstrain.errors import ConfigError, KernelError
 from crosstrain.kernels import registry
 from crosstrain.optim.host_state import restore_fp32_state
+from crosstrain.parallel.local import local_tensor
 
 log = logging.getLogger("crosstrain.optim")
 
@@ -34,13 +35,6 @@ def _warn_if_missing() -> None:
             native.load()
         except KernelError as exc:
             log.warning("%s; fused optimizers use the pure-torch reference step", exc)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The process-local tensor of a DTensor (an FSDP2/TP shard, sharing its storage), or ``t`` itself: the
-    updates are element-wise, so each rank steps its own shard (as torch.optim does on DTensors)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 class _FusedBase(torch.optim.Optimizer):
@@ -69,11 +63,11 @@ class _FusedBase(torch.optim.Optimizer):
         """The fp32 tensor the kernel updates and the low-precision tensor it writes (None for fp32 params);
         both process-local (a DTensor's shard)."""
         if p.dtype == torch.float32:
-            return _local(p.data), None
+            return local_tensor(p.data), None
         if "master" not in state:
             state["master"] = p.detach().to(torch.float32, copy=True)
-        local = _local(p.data)
-        return _local(state["master"]).view(local.shape), local
+        local = local_tensor(p.data)
+        return local_tensor(state["master"]).view(local.shape), local
 
     @staticmethod
     def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -81,7 +75,7 @@ class _FusedBase(torch.optim.Optimizer):
         assert grad is not None
         if grad.is_sparse:
             raise KernelError("fused optimizers do not take sparse gradients; use torch.optim.SparseAdam")
-        return _local(grad)
+        return local_tensor(grad)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -142,8 +136,8 @@ class FusedAdamW(_FusedBase):
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)  # new tensor: never shared
                 max_sq = state.get("max_exp_avg_sq") if group["amsgrad"] else None
                 registry.call(
-                    "adamw_step", master, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                    None if max_sq is None else _local(max_sq), out,
+                    "adamw_step", master, grad, local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]),
+                    None if max_sq is None else local_tensor(max_sq), out,
                     step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], maximize=group["maximize"],
                 )
@@ -199,7 +193,7 @@ class FusedSGD(_FusedBase):
                     if buf is None:
                         buf = state["momentum_buffer"] = self._zeros(p)
                         first = True
-                    buf = _local(buf)
+                    buf = local_tensor(buf)
                 registry.call(
                     "sgd_step", master, grad, buf, out, lr=group["lr"], momentum=momentum,
                     dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
