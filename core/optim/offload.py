@@ -22,6 +22,7 @@ import torch
 
 from crosstrain.errors import ConfigError
 from crosstrain.kernels import registry
+from crosstrain.optim.host_state import closure_loss
 from crosstrain.parallel.local import local_tensor
 
 log = logging.getLogger("crosstrain.optim")
@@ -175,10 +176,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         staged = [(group, p) for group, p in work if self._staged(p)]
         device = next((local_tensor(p).device for _, p in staged if local_tensor(p).device.type != "cpu"), None)

@@ -16,7 +16,7 @@ import torch
 
 from crosstrain.errors import ConfigError, KernelError
 from crosstrain.kernels import registry
-from crosstrain.optim.host_state import restore_fp32_state
+from crosstrain.optim.host_state import closure_loss, restore_fp32_state
 from crosstrain.parallel.local import local_tensor
 
 log = logging.getLogger("crosstrain.optim")
@@ -38,7 +38,8 @@ def _warn_if_missing() -> None:
 
 
 class _FusedBase(torch.optim.Optimizer):
-    """Shared parameter checks, fp32 master handling and state loading."""
+    """Shared parameter checks, fp32 master handling, state loading and the step loop (subclasses write
+    :meth:`_update`)."""
 
     _fp32_keys: tuple[str, ...] = ()
 
@@ -81,6 +82,19 @@ class _FusedBase(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         restore_fp32_state(self, state_dict, self._fp32_keys)
 
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(group, p, self._grad(p), self.state[p])
+        return loss
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
+        """One parameter's update from its process-local gradient."""
+        raise NotImplementedError
+
 
 class FusedAdamW(_FusedBase):
     """AdamW (decoupled weight decay, bias correction, optional amsgrad) as one fused pass per tensor.
@@ -112,36 +126,24 @@ class FusedAdamW(_FusedBase):
                         maximize=maximize)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = self._grad(p)
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = self._zeros(p)
-                    state["exp_avg_sq"] = self._zeros(p)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = self._zeros(p)
-                master, out = self._master_and_out(p, state)
-                step = int(state["step"].item()) + 1
-                state["step"] = torch.tensor(float(step), dtype=torch.float32)  # new tensor: never shared
-                max_sq = state.get("max_exp_avg_sq") if group["amsgrad"] else None
-                registry.call(
-                    "adamw_step", master, grad, local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]),
-                    None if max_sq is None else local_tensor(max_sq), out,
-                    step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], maximize=group["maximize"],
-                )
-        return loss
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = self._zeros(p)
+            state["exp_avg_sq"] = self._zeros(p)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = self._zeros(p)
+        master, out = self._master_and_out(p, state)
+        step = int(state["step"].item()) + 1
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)  # new tensor: never shared
+        max_sq = state.get("max_exp_avg_sq") if group["amsgrad"] else None
+        beta1, beta2 = group["betas"]
+        registry.call(
+            "adamw_step", master, grad, local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]),
+            None if max_sq is None else local_tensor(max_sq), out,
+            step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], maximize=group["maximize"],
+        )
 
 
 class FusedSGD(_FusedBase):
@@ -172,31 +174,19 @@ class FusedSGD(_FusedBase):
                         maximize=maximize)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            momentum = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = self._grad(p)
-                state = self.state[p]
-                master, out = self._master_and_out(p, state)
-                first = False
-                buf = None
-                if momentum != 0:
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = self._zeros(p)
-                        first = True
-                    buf = local_tensor(buf)
-                registry.call(
-                    "sgd_step", master, grad, buf, out, lr=group["lr"], momentum=momentum,
-                    dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                    first_step=first, maximize=group["maximize"],
-                )
-        return loss
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
+        master, out = self._master_and_out(p, state)
+        momentum = group["momentum"]
+        first = False
+        buf = None
+        if momentum != 0:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = self._zeros(p)
+                first = True
+            buf = local_tensor(buf)
+        registry.call(
+            "sgd_step", master, grad, buf, out, lr=group["lr"], momentum=momentum,
+            dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+            first_step=first, maximize=group["maximize"],
+        )
