@@ -36,38 +36,15 @@ def make_backend(name: str, priority: int, available: bool, reason: str = "") ->
     return b
 
 
-class Plugin:
-    def __init__(self, *backends: Backend) -> None:
-        self.backends = list(backends)
-
-    @hookimpl
-    def crosstrain_register_backends(self):
-        return self.backends
-
-
-@pytest.fixture
-def plugins():
-    names: list[str] = []
-
-    def add(name: str, plugin: object) -> None:
-        pluginmanager.register(plugin, name=name)
-        names.append(name)
-
-    yield add
-    for n in names:
-        pluginmanager.unregister(n)
-    registry.set_active_backend("cpu")
-
-
 def test_cpu_is_discovered_and_available():
     backends = registry.backends()
     assert "cpu" in backends
     assert backends["cpu"].availability().available
 
 
-def test_auto_picks_highest_priority_available_and_explains(plugins):
-    plugins("fast", Plugin(make_backend("fastbox", 500, False, "no fastbox card found"),
-                           make_backend("okbox", 400, True)))
+def test_auto_picks_highest_priority_available_and_explains(backend_plugin):
+    backend_plugin("fast", make_backend("fastbox", 500, False, "no fastbox card found"),
+                   make_backend("okbox", 400, True))
     sel = registry.select_backend("auto")
     assert sel.backend.name == "okbox"
     text = sel.explain()
@@ -75,14 +52,14 @@ def test_auto_picks_highest_priority_available_and_explains(plugins):
     assert "okbox: available" in text
 
 
-def test_named_unavailable_backend_is_an_error_never_a_cpu_fallback(plugins):
-    plugins("fast", Plugin(make_backend("fastbox", 500, False, "no fastbox card found")))
+def test_named_unavailable_backend_is_an_error_never_a_cpu_fallback(backend_plugin):
+    backend_plugin("fast", make_backend("fastbox", 500, False, "no fastbox card found"))
     with pytest.raises(BackendUnavailableError, match="backend 'fastbox' is not available: no fastbox card found"):
         registry.select_backend("fastbox")
 
 
-def test_env_var_selects_backend(plugins, monkeypatch):
-    plugins("ok", Plugin(make_backend("okbox", -5, True)))
+def test_env_var_selects_backend(backend_plugin, monkeypatch):
+    backend_plugin("ok", make_backend("okbox", -5, True))
     monkeypatch.setenv("CROSSTRAIN_BACKEND", "okbox")
     assert registry.select_backend().backend.name == "okbox"
     monkeypatch.setenv("CROSSTRAIN_BACKEND", "nosuch")
@@ -90,34 +67,34 @@ def test_env_var_selects_backend(plugins, monkeypatch):
         registry.select_backend()
 
 
-def test_two_plugins_claiming_one_name_is_a_clear_error(plugins):
-    plugins("a", Plugin(make_backend("twin", 1, True)))
-    plugins("b", Plugin(make_backend("twin", 2, True)))
+def test_two_plugins_claiming_one_name_is_a_clear_error(backend_plugin):
+    backend_plugin("a", make_backend("twin", 1, True))
+    backend_plugin("b", make_backend("twin", 2, True))
     with pytest.raises(PluginError, match="backend name 'twin' is claimed by both plugin"):
         registry.backends()
 
 
-def test_raising_plugin_is_reported_and_others_still_load(plugins):
+def test_raising_plugin_is_reported_and_others_still_load(backend_plugin):
     class Broken:
         @hookimpl
         def crosstrain_register_backends(self):
             raise RuntimeError("driver exploded")
 
-    plugins("broken", Broken())
-    plugins("ok", Plugin(make_backend("okbox", 1, True)))
+    backend_plugin("broken", Broken())
+    backend_plugin("ok", make_backend("okbox", 1, True))
     assert "okbox" in registry.backends() and "cpu" in registry.backends()
     errors = [e for e in pluginmanager.load_errors() if e.name == "broken"]
     assert errors and "driver exploded" in errors[-1].error
 
 
-def test_probe_that_raises_is_unavailable_not_fatal(plugins):
+def test_probe_that_raises_is_unavailable_not_fatal(backend_plugin):
     b = make_backend("flaky", 900, True)
 
     def boom():
         raise OSError("device node busy")
 
     b.make_device = boom  # type: ignore[method-assign]
-    plugins("flaky", Plugin(b))
+    backend_plugin("flaky", b)
     avail = registry.backends()["flaky"].availability()
     assert not avail and "device node busy" in avail.reason
     assert registry.select_backend("auto").backend.name != "flaky"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from crosstrain import hookimpl, pluginmanager, registry
+from crosstrain import registry
 from crosstrain.backend import Backend
 from crosstrain.backends.cpu.device import CpuDevice
 from crosstrain.config.loader import load_config
@@ -23,20 +23,10 @@ class Bf16OnlyBackend(Backend):
         return CpuDevice()
 
 
-class Plugin:
-    @hookimpl
-    def crosstrain_register_backends(self) -> list[Backend]:
-        return [Bf16OnlyBackend()]
-
-
 @pytest.fixture
-def bf16only():
-    pluginmanager.register(Plugin(), name="bf16only-plugin")
-    try:
-        yield registry.set_active_backend("bf16only")
-    finally:
-        pluginmanager.unregister("bf16only-plugin")
-        registry.set_active_backend("cpu")
+def bf16only(backend_plugin):
+    backend_plugin("bf16only-plugin", Bf16OnlyBackend())
+    return registry.set_active_backend("bf16only")
 
 
 def test_undeclared_precision_is_a_one_line_config_error(bf16only):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from crosstrain import hookimpl, pluginmanager, registry
+from crosstrain import registry
 from crosstrain.backend import Backend
 from crosstrain.backends.cpu.device import CpuDevice
 from crosstrain.checkpoint.dcp import DCPCheckpointer
@@ -62,21 +62,10 @@ class LocalOnlyBackend(StorageBackend):
         return FolderCheckpointer()
 
 
-class Plugin:
-    @hookimpl
-    def crosstrain_register_backends(self) -> list[Backend]:
-        return [StorageBackend(), LocalOnlyBackend()]
-
-
 @pytest.fixture
-def storage_plugin():
-    pluginmanager.register(Plugin(), name="storage-plugin")
+def storage_plugin(backend_plugin):
+    backend_plugin("storage-plugin", StorageBackend(), LocalOnlyBackend())
     OPENED.clear()
-    try:
-        yield
-    finally:
-        pluginmanager.unregister("storage-plugin")
-        registry.set_active_backend("cpu")
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from crosstrain import hookimpl, pluginmanager, registry
 from crosstrain.backend import Backend
 from crosstrain.device import Availability
 from crosstrain.testing.conformance.__main__ import main
@@ -24,18 +23,9 @@ class AbsentBackend(Backend):
         return AbsentDevice()
 
 
-class Plugin:
-    @hookimpl
-    def crosstrain_register_backends(self) -> list[Backend]:
-        return [AbsentBackend()]
-
-
 @pytest.fixture
-def absent():
-    pluginmanager.register(Plugin(), name="absent-plugin")
-    yield
-    pluginmanager.unregister("absent-plugin")
-    registry.set_active_backend("cpu")
+def absent(backend_plugin):
+    backend_plugin("absent-plugin", AbsentBackend())
 
 
 def test_unavailable_backend_is_one_skip_line_and_exit_0(absent, capsys):

@@ -7,20 +7,67 @@ Outside a training forward (evaluation, generation, export) :func:`add_aux_loss`
 
 Module metrics (:func:`add_metric`: an MoE layer's load, drop rate, router entropy) travel the same way: collected
 per micro-batch, never differentiated, reported under their own name and averaged like the loss.
+Both are a :class:`ForwardCollector`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 import torch
 
-_collector: contextvars.ContextVar[dict[str, torch.Tensor] | None] = contextvars.ContextVar(
-    "crosstrain_aux_losses", default=None)
-_metrics: contextvars.ContextVar[dict[str, list[torch.Tensor]] | None] = contextvars.ContextVar(
-    "crosstrain_module_metrics", default=None)
+V = TypeVar("V")
+
+
+class ForwardCollector(Generic[V]):
+    """Named values that modules add during a forward, gathered by the ``with collect()`` block around it.
+
+    A context variable carries the block's dict to the modules, so no module needs a reference to the loop;
+    outside a block :meth:`add` does nothing. ``fold(previous, value)`` merges a name's repeated adds (one per
+    layer; ``previous`` is None on the first).
+    """
+
+    def __init__(self, name: str, fold: Callable[[V | None, torch.Tensor], V]) -> None:
+        self._values: contextvars.ContextVar[dict[str, V] | None] = contextvars.ContextVar(name, default=None)
+        self._fold = fold
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        """Fold ``value`` into this forward's ``name``; a no-op outside :meth:`collect`."""
+        values = self._values.get()
+        if values is not None:
+            values[name] = self._fold(values.get(name), value)
+
+    def active(self) -> bool:
+        """Whether a :meth:`collect` block is open (in this context)."""
+        return self._values.get() is not None
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator[dict[str, V]]:
+        """Collect the values added inside the ``with`` block into the yielded dict (filled as they come)."""
+        values: dict[str, V] = {}
+        token = self._values.set(values)
+        try:
+            yield values
+        finally:
+            self._values.reset(token)
+
+
+def _sum(previous: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if previous is None else previous + value
+
+
+def _append(previous: list[torch.Tensor] | None, value: torch.Tensor) -> list[torch.Tensor]:
+    if previous is None:
+        return [value]
+    previous.append(value)
+    return previous
+
+
+_aux_losses: ForwardCollector[torch.Tensor] = ForwardCollector("crosstrain_aux_losses", _sum)
+_metrics: ForwardCollector[list[torch.Tensor]] = ForwardCollector("crosstrain_module_metrics", _append)
 
 
 def add_aux_loss(name: str, value: torch.Tensor) -> None:
@@ -28,47 +75,34 @@ def add_aux_loss(name: str, value: torch.Tensor) -> None:
 
     Several calls with one name (one per layer) add up.
     """
-    terms = _collector.get()
-    if terms is None:
-        return
-    terms[name] = terms[name] + value if name in terms else value
+    _aux_losses.add(name, value)
 
 
-@contextlib.contextmanager
-def collect_aux_losses() -> Iterator[dict[str, torch.Tensor]]:
+def collect_aux_losses() -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
     """Collect the auxiliary losses added inside the ``with`` block into the yielded dict."""
-    terms: dict[str, torch.Tensor] = {}
-    token = _collector.set(terms)
-    try:
-        yield terms
-    finally:
-        _collector.reset(token)
+    return _aux_losses.collect()
 
 
 def collecting() -> bool:
     """True inside a training forward (:func:`collect_aux_losses`): a module may then pay for extra work (a
     collective every rank runs) that only training needs."""
-    return _collector.get() is not None
+    return _aux_losses.active()
 
 
 def add_metric(name: str, value: torch.Tensor | float) -> None:
     """Report ``value`` (a scalar, detached) as the metric ``name`` for this forward; several calls average."""
-    values = _metrics.get()
-    if values is None:
-        return
-    tensor = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-    values.setdefault(name, []).append(tensor)
+    if _metrics.active():
+        tensor = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        _metrics.add(name, tensor)
 
 
 @contextlib.contextmanager
 def collect_metrics() -> Iterator[dict[str, torch.Tensor]]:
     """Collect the metrics added inside the ``with`` block; the yielded dict holds each name's mean on exit."""
-    values: dict[str, list[torch.Tensor]] = {}
     means: dict[str, torch.Tensor] = {}
-    token = _metrics.set(values)
-    try:
-        yield means
-    finally:
-        _metrics.reset(token)
-        for name, items in values.items():
-            means[name] = torch.stack([t.to(items[0].device) for t in items]).mean()
+    with _metrics.collect() as values:
+        try:
+            yield means
+        finally:
+            for name, items in values.items():
+                means[name] = torch.stack([t.to(items[0].device) for t in items]).mean()

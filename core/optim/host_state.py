@@ -1,4 +1,5 @@
-"""Keep fp32 optimizer state fp32 across ``load_state_dict``.
+"""What the host-memory optimizers share: fp32 optimizer state kept fp32 across ``load_state_dict``, and the
+step's closure.
 
 ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor to its parameter's dtype and
 device. Optimizers that hold fp32 master weights and moments for low-precision parameters (the fused CPU
@@ -40,3 +41,11 @@ def restore_fp32_state(
                 continue
             fp32 = value.detach().to(torch.float32, copy=True).contiguous()
             state[key] = place(param, fp32) if place is not None else fp32.to(param.device)
+
+
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """The loss of an optimizer step's ``closure``, run with gradients on as ``torch.optim`` does; None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()

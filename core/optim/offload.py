@@ -22,6 +22,8 @@ import torch
 
 from crosstrain.errors import ConfigError
 from crosstrain.kernels import registry
+from crosstrain.optim.host_state import closure_loss
+from crosstrain.parallel.local import local_tensor
 
 log = logging.getLogger("crosstrain.optim")
 
@@ -29,12 +31,6 @@ _HOST = torch.device("cpu")
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEFAULTS: dict[str, Any] = {"name": "adamw", "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
                              "momentum": 0.0}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The process-local tensor of a DTensor (FSDP/TP shards), or ``t`` itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _backend_device() -> Any:
@@ -123,7 +119,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _staged(self, p: torch.Tensor) -> bool:
         if self._stage_forced is not None:
             return self._stage_forced
-        return _local(p).device.type != "cpu"
+        return local_tensor(p).device.type != "cpu"
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         if self._dev is None:
@@ -136,7 +132,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return t
 
     def _host_fp32(self, p: torch.Tensor, src: torch.Tensor | None = None, pin: bool = False) -> torch.Tensor:
-        local = _local(p)
+        local = local_tensor(p)
         out = torch.empty(local.shape, dtype=torch.float32, device=_HOST)
         if src is None:
             out.zero_()
@@ -148,7 +144,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if state:
             return
-        local = _local(p).detach()
+        local = local_tensor(p).detach()
         staged = self._staged(p)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         # the master is copied back directly when the parameter is fp32 on a device: pin it then
@@ -180,13 +176,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         staged = [(group, p) for group, p in work if self._staged(p)]
-        device = next((_local(p).device for _, p in staged if _local(p).device.type != "cpu"), None)
+        device = next((local_tensor(p).device for _, p in staged if local_tensor(p).device.type != "cpu"), None)
         stream = self._copy_stream() if device is not None else None
         events: dict[torch.Tensor, Any] = {}
         if staged:
@@ -205,12 +198,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _grads_to_host(self, staged: list, stream: Any, events: dict, device: torch.device | None) -> None:
         if stream is None:
             for _, p in staged:
-                self._grad_buffer(p).copy_(_local(p.grad))
+                self._grad_buffer(p).copy_(local_tensor(p.grad))
             return
         stream.wait_stream(torch.accelerator.current_stream(device))
         with stream:
             for _, p in staged:
-                self._grad_buffer(p).copy_(_local(p.grad), non_blocking=True)
+                self._grad_buffer(p).copy_(local_tensor(p.grad), non_blocking=True)
                 event = self._dev.event()
                 event.record(stream)
                 events[p] = event
@@ -221,7 +214,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._init_state(p, next(g for g in self.param_groups if any(q is p for q in g["params"])))
             buffers = self._staging[p]
         assert p.grad is not None
-        grad = _local(p.grad)
+        grad = local_tensor(p.grad)
         if buffers["grad"].dtype != grad.dtype:
             buffers["grad"] = self._pin(torch.empty(grad.shape, dtype=grad.dtype, device=_HOST))
         return buffers["grad"]
@@ -229,7 +222,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _params_to_device(self, p: torch.Tensor, stream: Any) -> None:
         buffers = self._staging[p]
         src = buffers.get("out", self.state[p]["master"])
-        dst = _local(p.data)
+        dst = local_tensor(p.data)
         if stream is None:
             dst.copy_(src)
         else:
@@ -246,8 +239,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             out = self._staging[p].get("out")
         else:
             assert p.grad is not None
-            grad = _local(p.grad)
-            local = _local(p.data)
+            grad = local_tensor(p.grad)
+            local = local_tensor(p.data)
             out = None if local.dtype == torch.float32 and local.data_ptr() == master.data_ptr() else local
         step = int(state["step"].item()) + 1
         state["step"] = torch.tensor(float(step), dtype=torch.float32)
@@ -279,7 +272,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
             entry = sd["state"][index] = dict(entry)  # never alter the live state dict
             for key, value in entry.items():
-                if key != "step" and isinstance(value, torch.Tensor) and value.shape == _local(p).shape:
+                if key != "step" and isinstance(value, torch.Tensor) and value.shape == local_tensor(p).shape:
                     entry[key] = DTensor.from_local(value, mesh, p.placements, run_check=False, shape=p.shape,
                                                     stride=p.stride())
         return sd
@@ -301,16 +294,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not isinstance(value, torch.Tensor):
                     state[key] = value
                     continue
-                value = _local(value).detach()
+                value = local_tensor(value).detach()
                 if key == "step":
                     state[key] = value.to(_HOST, torch.float32, copy=True)
                 elif isinstance(state.get(key), torch.Tensor) and state[key].shape == value.shape:
                     if state[key].data_ptr() != value.data_ptr():
                         state[key].copy_(value)
                 else:
-                    state[key] = self._host_fp32(p, value.reshape(_local(p).shape),
+                    state[key] = self._host_fp32(p, value.reshape(local_tensor(p).shape),
                                                  pin=key == "master" and self._staged(p)
-                                                 and _local(p).dtype == torch.float32)
+                                                 and local_tensor(p).dtype == torch.float32)
         for saved, group in zip(saved_groups, self.param_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
@@ -322,13 +315,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         host = pinned = saved = 0
         for p, state in self.state.items():
-            on_device = _local(p).device.type != "cpu"
+            on_device = local_tensor(p).device.type != "cpu"
             for key, t in state.items():
                 if not isinstance(t, torch.Tensor) or key == "step":
                     continue
                 nbytes = t.numel() * t.element_size()
                 host += nbytes
-                if on_device and (key != "master" or _local(p).dtype != torch.float32):
+                if on_device and (key != "master" or local_tensor(p).dtype != torch.float32):
                     saved += nbytes
         for buffers in self._staging.values():
             pinned += sum(t.numel() * t.element_size() for t in buffers.values())

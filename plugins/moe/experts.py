@@ -13,12 +13,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from crosstrain import kernels
 from crosstrain.errors import ConfigError
-from crosstrain.parallel import all_to_all_autograd
+from crosstrain.parallel import all_to_all_autograd, local_tensor
 from crosstrain.plugins.moe.exchange import HEADER, agree
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _sharded(old: nn.Parameter, shard: torch.Tensor, mesh: Any, dim: int) -> nn.Parameter:
@@ -124,7 +120,7 @@ class GroupedExperts(nn.Module):
 
     # -- compute ----------------------------------------------------------------------------------------------
     def _mlp(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2 = (_local(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (local_tensor(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
         if self.tp_mesh is not None:
             rows = _CopyToTP.apply(rows, self.tp_mesh.get_group())
         # gate and up in one grouped matmul (fewer, larger GEMMs); the concatenation of the weights is cheap

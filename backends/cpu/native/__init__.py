@@ -11,15 +11,10 @@ from types import ModuleType
 
 import torch
 
+from crosstrain.backends.cpu.native.extension import REBUILD, import_extension
 from crosstrain.errors import KernelError
 
-try:
-    from crosstrain.backends.cpu.native import _C as _native
-except ImportError as exc:  # built without a compiler, or not rebuilt after a checkout
-    _native = None
-    _IMPORT_ERROR: str = f"{type(exc).__name__}: {exc}"
-else:
-    _IMPORT_ERROR = ""
+_native, _IMPORT_ERROR = import_extension("_C")
 
 __all__ = [
     "NativeExtensionMissing",
@@ -52,8 +47,8 @@ def load() -> ModuleType:
     """The compiled extension module, or :class:`NativeExtensionMissing` naming the fix."""
     if _native is None:
         raise NativeExtensionMissing(
-            f"the native CPU optimizer extension is not built ({_IMPORT_ERROR}); install g++ and reinstall "
-            "crosstrain (pip install -e . --no-deps), or use the pure-torch reference (kernels = 'reference')"
+            f"the native CPU optimizer extension is not built ({_IMPORT_ERROR}); {REBUILD}, or use the "
+            "pure-torch reference (kernels = 'reference')"
         )
     return _native
 

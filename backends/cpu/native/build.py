@@ -122,29 +122,27 @@ def ext_modules() -> list[Extension]:
     ops_args = ["-std=c++17", "-O3", "-fno-math-errno", "-fno-trapping-math", "-fvisibility=hidden", "-fopenmp-simd"]
     if openmp:
         ops_args.append("-fopenmp")
-    ops = Extension(
-        OPS_MODULE,
-        sources=[_relative(os.path.join(OPS_CSRC, s)) for s in ops_sources],
-        include_dirs=[pybind11.get_include(), _relative(OPS_CSRC)],
+    # A compiler that cannot build the ops (too old for __builtin_bit_cast, ...) skips them with a warning instead
+    # of failing the install; at run time the model ops then use the references (one warning).
+    ops = _extension(OPS_MODULE, OPS_CSRC, ops_sources, ("ops_common.h", "ops_impl.h"), pybind11.get_include(),
+                     macros, ops_args, link_args, optional=True)
+    optim = _extension(MODULE, CSRC, sources, ("common.h", "convert.h", "kernels_impl.h"), pybind11.get_include(),
+                       macros, compile_args, link_args)
+    return [ops, optim]
+
+
+def _extension(module: str, folder: str, sources: list[str], headers: tuple[str, ...], pybind_include: str,
+               macros: list[tuple[str, str | None]], compile_args: list[str], link_args: list[str],
+               optional: bool | None = None) -> Extension:
+    """A C++ extension built from ``sources`` in ``folder``, rebuilt when one of its ``headers`` changes."""
+    return Extension(
+        module,
+        sources=[_relative(os.path.join(folder, s)) for s in sources],
+        include_dirs=[pybind_include, _relative(folder)],
         define_macros=macros,
         language="c++",
-        extra_compile_args=ops_args,
+        extra_compile_args=compile_args,
         extra_link_args=link_args,
-        depends=[_relative(os.path.join(OPS_CSRC, h)) for h in ("ops_common.h", "ops_impl.h")],
-        # A compiler that cannot build these (too old for __builtin_bit_cast, ...) skips them with a warning
-        # instead of failing the install; at run time the model ops then use the references (one warning).
-        optional=True,
+        depends=[_relative(os.path.join(folder, h)) for h in headers],
+        optional=optional,
     )
-    return [
-        ops,
-        Extension(
-            MODULE,
-            sources=[_relative(os.path.join(CSRC, s)) for s in sources],
-            include_dirs=[pybind11.get_include(), _relative(CSRC)],
-            define_macros=macros,
-            language="c++",
-            extra_compile_args=compile_args,
-            extra_link_args=link_args,
-            depends=[_relative(os.path.join(CSRC, h)) for h in ("common.h", "convert.h", "kernels_impl.h")],
-        )
-    ]

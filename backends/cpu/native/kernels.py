@@ -17,13 +17,9 @@ from typing import Any
 
 import torch
 
-try:
-    from crosstrain.backends.cpu.native import _kernels as _ext
-except ImportError as exc:  # built without a compiler, or not rebuilt after a checkout
-    _ext = None
-    _IMPORT_ERROR: str = f"{type(exc).__name__}: {exc}"
-else:
-    _IMPORT_ERROR = ""
+from crosstrain.backends.cpu.native.extension import REBUILD, import_extension
+
+_ext, _IMPORT_ERROR = import_extension("_kernels")
 
 log = logging.getLogger("crosstrain.kernels")
 
@@ -290,8 +286,8 @@ def register(registry: Any, backend: str = "cpu") -> list[str]:
     if _ext is None:
         if not _warned:
             _warned = True
-            log.warning("native CPU kernels not built (%s); %s use the pure-torch references. Install g++ and "
-                        "reinstall crosstrain (pip install -e . --no-deps) to get them", _IMPORT_ERROR, ", ".join(OPS))
+            log.warning("native CPU kernels not built (%s); %s use the pure-torch references. To get them, %s",
+                        _IMPORT_ERROR, ", ".join(OPS), REBUILD)
         return []
     label = f"native-{_ext.isa()}"
     for op, (fn, supports) in OPS.items():

@@ -16,7 +16,8 @@ import torch
 
 from crosstrain.errors import ConfigError, KernelError
 from crosstrain.kernels import registry
-from crosstrain.optim.host_state import restore_fp32_state
+from crosstrain.optim.host_state import closure_loss, restore_fp32_state
+from crosstrain.parallel.local import local_tensor
 
 log = logging.getLogger("crosstrain.optim")
 
@@ -36,15 +37,9 @@ def _warn_if_missing() -> None:
             log.warning("%s; fused optimizers use the pure-torch reference step", exc)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The process-local tensor of a DTensor (an FSDP2/TP shard, sharing its storage), or ``t`` itself: the
-    updates are element-wise, so each rank steps its own shard (as torch.optim does on DTensors)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 class _FusedBase(torch.optim.Optimizer):
-    """Shared parameter checks, fp32 master handling and state loading."""
+    """Shared parameter checks, fp32 master handling, state loading and the step loop (subclasses write
+    :meth:`_update`)."""
 
     _fp32_keys: tuple[str, ...] = ()
 
@@ -69,11 +64,11 @@ class _FusedBase(torch.optim.Optimizer):
         """The fp32 tensor the kernel updates and the low-precision tensor it writes (None for fp32 params);
         both process-local (a DTensor's shard)."""
         if p.dtype == torch.float32:
-            return _local(p.data), None
+            return local_tensor(p.data), None
         if "master" not in state:
             state["master"] = p.detach().to(torch.float32, copy=True)
-        local = _local(p.data)
-        return _local(state["master"]).view(local.shape), local
+        local = local_tensor(p.data)
+        return local_tensor(state["master"]).view(local.shape), local
 
     @staticmethod
     def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -81,11 +76,24 @@ class _FusedBase(torch.optim.Optimizer):
         assert grad is not None
         if grad.is_sparse:
             raise KernelError("fused optimizers do not take sparse gradients; use torch.optim.SparseAdam")
-        return _local(grad)
+        return local_tensor(grad)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         restore_fp32_state(self, state_dict, self._fp32_keys)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(group, p, self._grad(p), self.state[p])
+        return loss
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
+        """One parameter's update from its process-local gradient."""
+        raise NotImplementedError
 
 
 class FusedAdamW(_FusedBase):
@@ -118,36 +126,24 @@ class FusedAdamW(_FusedBase):
                         maximize=maximize)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = self._grad(p)
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = self._zeros(p)
-                    state["exp_avg_sq"] = self._zeros(p)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = self._zeros(p)
-                master, out = self._master_and_out(p, state)
-                step = int(state["step"].item()) + 1
-                state["step"] = torch.tensor(float(step), dtype=torch.float32)  # new tensor: never shared
-                max_sq = state.get("max_exp_avg_sq") if group["amsgrad"] else None
-                registry.call(
-                    "adamw_step", master, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                    None if max_sq is None else _local(max_sq), out,
-                    step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], maximize=group["maximize"],
-                )
-        return loss
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = self._zeros(p)
+            state["exp_avg_sq"] = self._zeros(p)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = self._zeros(p)
+        master, out = self._master_and_out(p, state)
+        step = int(state["step"].item()) + 1
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)  # new tensor: never shared
+        max_sq = state.get("max_exp_avg_sq") if group["amsgrad"] else None
+        beta1, beta2 = group["betas"]
+        registry.call(
+            "adamw_step", master, grad, local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]),
+            None if max_sq is None else local_tensor(max_sq), out,
+            step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], maximize=group["maximize"],
+        )
 
 
 class FusedSGD(_FusedBase):
@@ -178,31 +174,19 @@ class FusedSGD(_FusedBase):
                         maximize=maximize)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            momentum = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = self._grad(p)
-                state = self.state[p]
-                master, out = self._master_and_out(p, state)
-                first = False
-                buf = None
-                if momentum != 0:
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = self._zeros(p)
-                        first = True
-                    buf = _local(buf)
-                registry.call(
-                    "sgd_step", master, grad, buf, out, lr=group["lr"], momentum=momentum,
-                    dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                    first_step=first, maximize=group["maximize"],
-                )
-        return loss
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
+        master, out = self._master_and_out(p, state)
+        momentum = group["momentum"]
+        first = False
+        buf = None
+        if momentum != 0:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = self._zeros(p)
+                first = True
+            buf = local_tensor(buf)
+        registry.call(
+            "sgd_step", master, grad, buf, out, lr=group["lr"], momentum=momentum,
+            dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+            first_step=first, maximize=group["maximize"],
+        )
