@@ -101,3 +101,45 @@ def test_token_batch_shapes_are_as_documented(tmp_path: Path, packing: str) -> N
             assert fields["document_ids"] == fields["positions"] == shape
         else:
             assert fields["document_ids"] is None and fields["positions"] is None
+
+
+def test_readme_backend_consequences_auto_takeover_and_per_backend_kernels() -> None:
+    """README, "Writing a backend plugin": an installed host-memory backend with a higher priority takes over
+    ``auto``, and on its device type only its own kernels apply (the cpu backend's native ones are not used)."""
+    from crosstrain import pluginmanager, registry
+    from crosstrain.backend import Backend
+    from crosstrain.device import TorchModuleDevice
+    from crosstrain.kernels import reference
+    from crosstrain.kernels import registry as kernels
+
+    class HostDevice(TorchModuleDevice):
+        type, dist_backend = "cpu", "gloo"
+
+        def peak_flops(self, dtype: torch.dtype) -> float:
+            return 1e12
+
+    class HostBackend(Backend):
+        name, priority = "docs-hostchip", 80
+        capabilities = frozenset()
+
+        def make_device(self) -> HostDevice:
+            return HostDevice()
+
+    class Plugin:
+        @hookimpl
+        def crosstrain_register_backends(self) -> list[Backend]:
+            return [HostBackend()]
+
+    x, w = torch.randn(4, 64), torch.ones(64)
+    pluginmanager.register(Plugin(), name="docs-hostchip")
+    try:
+        registry.reset()
+        assert registry.select_backend("auto").backend.name == "docs-hostchip"
+        registry.set_active_backend(None)
+        assert kernels.resolve("rms_norm", x, w) is reference.rms_norm
+        registry.set_active_backend("cpu")  # the cpu backend's own kernels apply again (native where built)
+        cpu_impls = [i for i in kernels.impls("rms_norm") if i.backend == "cpu"]
+        assert kernels.resolve("rms_norm", x, w) is (cpu_impls[0].fn if cpu_impls else reference.rms_norm)
+    finally:
+        pluginmanager.unregister("docs-hostchip")
+        registry.reset()
