@@ -5,8 +5,8 @@ client is its own process (``python -m crosstrain.plugins.fl.synthetic``: a seed
 local training, so the round time is the aggregation's alone). The same client processes serve every round,
 and plain and secure rounds alternate (interleaved repetitions), so both see the same machine state. A round is
 timed from sending the global model to the aggregate (plain: the float32 updates travel; secure: the four
-SecAgg+ stages, masking and unmasking included). ``vs_flower`` would time Flower's SecAgg+ on the same clients
-and vector size; it is null when ``flwr`` is not installed.
+SecAgg+ stages, masking and unmasking included). ``vs_flower`` is always null: no Flower SecAgg+
+run is implemented; ``vs_flower_note`` says whether ``flwr`` is installed.
 
 Last line: JSON ``{"secure_over_plain": ..., "vs_flower": ..., ...}``; ``stages_s`` is the server's median time per
 stage (``train_s``, the SecAgg+ stages' ``advertise_s`` ... ``unmask_s``, and ``aggregate_s`` after training).

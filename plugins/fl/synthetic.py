@@ -1,8 +1,9 @@
 """A client that sends a seeded random update instead of training: for benchmarks and dropout tests.
 
-``python -m crosstrain.plugins.fl.synthetic --address HOST:PORT --certs DIR --id K --dim D`` joins like
+``python -m crosstrain.plugins.fl.synthetic --address HOST:PORT --certs DIR --id K [--seed S]`` joins like
 ``crosstrain fl client`` (same TLS identity, same protocol) but imports neither torch nor the CLI, so ten of
-them start in well under a second each. Its update in round r is ``update(seed, K, r, D)``.
+them start in well under a second each. Its update in round r is ``update(S, K, r, D)``, where D is the length
+of the global vector the server sends (there is no size option: the server decides it).
 """
 
 from __future__ import annotations
