@@ -63,6 +63,10 @@ def test_simulate_four_clients_matches_centralised(tmp_path, capsys):
     for i in range(4):  # every client trained all rounds on its own shard and wrote its own files
         client = json.loads((run / "clients" / f"client-{i}" / "summary.json").read_text())
         assert client["client"] == i and client["rounds"] == 3 and client["dropped_rounds"] == []
+        events = (run / "clients" / f"client-{i}" / "train" / "events.jsonl").read_text().splitlines()
+        fl_rounds = [e for e in map(json.loads, events) if e["event"] == "fl_round"]  # via the loop's metrics hub
+        assert [(e["round"], e["step"]) for e in fl_rounds] == [(1, 10), (2, 20), (3, 30)]
+        assert all(e["loss"] > 0 and e["update_norm"] > 0 for e in fl_rounds)
     config = load_config(None, TINY)
     fl_model = load_file(str(run / "global" / "round_000003.safetensors"))
 

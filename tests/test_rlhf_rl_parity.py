@@ -57,9 +57,8 @@ def _layout(collective, path: str, dp: int, grad_accum: int) -> dict:
         recipe = _recipe(str(Path(path).with_name("prompts.jsonl")), mode, grad_accum, rank, dp)
         policy = build_model(recipe_config())
         policy.load_state_dict(data["moved"])
-        recipe.pending = [{"sums": s} for _, s in micro]
         losses, metrics = [], []
-        for batch, _ in micro:
+        for batch in recipe.tag([{**b, "rl_sums": s} for b, s in micro]):  # the step's one all-reduce
             res = recipe.loss({"policy": policy}, batch)
             (res.loss / grad_accum).backward()
             losses.append(res.loss.detach())
@@ -93,8 +92,9 @@ def rollouts(tmp_path_factory) -> Path:
     policy = build_model(recipe_config())
     recipe.context = SimpleNamespace(models={"policy": policy, "reference": copy.deepcopy(policy)},
                                      device=torch.device("cpu"))
-    chunks = [recipe.rollout(list(range(4 * i, 4 * i + 4))) for i in range(4)]  # 4 x (2 prompts x 2 completions)
-    sums = [p["sums"] for p in recipe.pending]
+    seed = recipe.rng.next_seed()
+    chunks = [recipe.rollout(list(range(4 * i, 4 * i + 4)), seed) for i in range(4)]  # 4 x (2 prompts x 2 completions)
+    sums = [c.pop("rl_sums") for c in chunks]
     g = torch.Generator().manual_seed(1)
     for chunk, s in zip(chunks, sums, strict=True):  # ragged lengths, as stop tokens would make them
         ends = torch.randint(1, chunk["mask"].shape[1] + 1, (chunk["mask"].shape[0], 1), generator=g)
@@ -149,8 +149,7 @@ def test_every_option_reaches_the_loss(rollouts) -> None:
         sec = recipe.sec
         policy = build_model(recipe_config())
         policy.load_state_dict(data["moved"])
-        recipe.pending = [{"sums": sums}]
-        got = recipe.loss({"policy": policy}, batch).loss
+        got = recipe.loss({"policy": policy}, recipe.tag([{**batch, "rl_sums": sums}])[0]).loss
         mask, rewards = batch["mask"], batch["rl_rewards"]
         logp_all = completion_logits(policy, batch["ids"], batch["index"]).float().log_softmax(-1)
         logps = logp_all.gather(-1, batch["tokens"].unsqueeze(-1)).squeeze(-1)
@@ -238,3 +237,41 @@ def test_ppo_options_reach_its_advantages_and_value_loss(rollouts) -> None:
     vloss, hit = clipped_value_loss(moved, out["old_values"], ret, 0.01)
     torch.testing.assert_close(loss, 0.5 * aggregate(vloss, mask, "token-mean", tokens=n, sequences=1))
     assert 0 < float(metrics["val/clipfrac"]) <= 1
+
+
+def test_prepare_step_tags_the_step_and_the_kl_coefficient_moves_after_the_optimizer_step(rollouts) -> None:
+    """``prepare_step`` samples every micro-batch of the step and tags each with the step's summed statistics and
+    its position; the adaptive KL coefficient stays put through the losses and moves once, in
+    ``after_optimizer_step``, by the step's per-sequence KL (Ziegler et al. 2019)."""
+    from crosstrain.plugins.rlhf.rl.kl import AdaptiveKLController
+    from crosstrain.plugins.rlhf.rl.recipe import PromptDataset
+
+    prompts = str(rollouts.with_name("prompts.jsonl"))
+    cfg = load_config(None, [*SETS, f"data.path={prompts}", "rl.kl_target=0.01", "rl.kl_horizon=50",
+                             "train.grad_accum=2"])
+    recipe = GRPORecipe()
+    recipe.validate(cfg)
+    recipe.configure(cfg, 0, 1, 1)
+    torch.manual_seed(0)
+    policy = build_model(recipe_config())
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():  # the reference differs from the policy: the KL is not 0
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    recipe.context = SimpleNamespace(models={"policy": policy, "reference": reference}, step=0)
+    data = PromptDataset(len(recipe.prompts["train"]))
+    step = recipe.prepare_step([data.batch([0, 1, 2, 3]), data.batch([4, 5, 6, 7])], recipe.context)
+    assert [b["rl_micro"] for b in step] == [0, 1] and step[0]["rl_stats"] is step[1]["rl_stats"]
+    g = step[0]["rl_stats"]
+    # each micro-batch of 4 samples holds 2 prompts x 2 completions (rl.num_generations)
+    assert g["sequences"] == 8 and g["tokens"] == sum(float(b["mask"].sum()) for b in step) and g["kl"] > 0
+    beta = recipe.kl_ctl.beta
+    for batch in step:
+        recipe.loss({"policy": policy}, batch)
+    assert recipe.kl_ctl.beta == beta
+    recipe.after_optimizer_step(recipe.context, 1)
+    want = AdaptiveKLController(0.05, 0.01, 50)
+    want.update(g["kl"] / 8, 8)
+    assert recipe.kl_ctl.beta == pytest.approx(want.beta) and recipe.kl_ctl.beta != beta
+    recipe.after_optimizer_step(recipe.context, 2)  # no step prepared since: nothing to update
+    assert recipe.kl_ctl.beta == pytest.approx(want.beta)

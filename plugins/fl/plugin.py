@@ -27,31 +27,14 @@ def crosstrain_recipe(name: str) -> Any:
     if name != "fl_client":
         return None
     from crosstrain.errors import ConfigError
-    from crosstrain.plugins.fl import training
 
-    if training.ACTIVE is None:
-        raise ConfigError("train.recipe='fl_client' runs only under `crosstrain fl client` (it needs a server)")
-    return training.ACTIVE
+    # `crosstrain fl client` hands its recipe instance to the Trainer; by name there is no server to train for
+    raise ConfigError("train.recipe='fl_client' runs only under `crosstrain fl client` (it needs a server)")
 
 
 @crosstrain.hookimpl
 def crosstrain_recipe_names() -> list[str]:
     return ["fl_client"]
-
-
-def _active(context: Any) -> Any:
-    if context.recipe != "fl_client":
-        return None
-    from crosstrain.plugins.fl import training
-
-    return training.ACTIVE
-
-
-@crosstrain.hookimpl
-def crosstrain_after_optimizer_step(context: Any, step: int) -> None:
-    recipe = _active(context)
-    if recipe is not None:
-        recipe.after_step(context, step)
 
 
 @crosstrain.hookimpl

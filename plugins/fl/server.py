@@ -12,6 +12,7 @@ import numpy as np
 
 from crosstrain.checkpoint.manifest import atomic_write
 from crosstrain.config import Config
+from crosstrain.engine.metrics import JsonlSink, MetricsHub
 from crosstrain.errors import ConfigError, CrosstrainError
 from crosstrain.plugins.fl.config import FLSection
 from crosstrain.plugins.fl.coordinator import Coordinator
@@ -85,12 +86,15 @@ class FLServer:
     def run(self) -> dict[str, Any]:
         fl = self.fl
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # one record per round (step = round); a resumed server drops the records of rounds it will run again
+        self.metrics = MetricsHub([JsonlSink(self.run_dir / "metrics.jsonl", resume_step=self.completed)])
         started = time.perf_counter()
         try:
             for round_id in range(self.completed, fl.rounds):
                 self._round(round_id)
         finally:
             self.coordinator.finish()
+            self.metrics.close()
         summary = self.summary(time.perf_counter() - started)
         atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=1).encode())
         return summary
@@ -120,8 +124,7 @@ class FLServer:
                   "aborted": outcome.error or None, "epsilon": epsilon(fl, round_id + 1),
                   "refused": {str(c): why for c, why in sorted(outcome.refused.items())}}
         self.history.append(record)
-        with open(self.run_dir / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        self.metrics.write(round_id + 1, record)
         print(f"fl round {round_id + 1}/{fl.rounds}: " + (f"loss {outcome.loss:.4f}, {len(outcome.survivors)} "
               f"clients, dropped {outcome.dropped}" if outcome.mean is not None else f"failed: {outcome.error}")
               + (f" (refused: {outcome.refused})" if outcome.refused else ""),

@@ -2,7 +2,8 @@
 
 Layout of the run dir: the server's files at the top (summary.json, metrics.jsonl, global/, address),
 ``certs/`` (made on the first run, reused on a rerun, which resumes the server), ``clients/client-<i>/``
-(each client's summary.json, metrics.jsonl, log.txt and its crosstrain training run under ``train/``).
+(each client's summary.json, log.txt and its crosstrain training run under ``train/``, whose events.jsonl
+has the client's ``fl_round`` records).
 """
 
 from __future__ import annotations

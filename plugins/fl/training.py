@@ -1,11 +1,11 @@
-"""A client's local training: crosstrain's loop with the ``fl_client`` recipe and the after-step hook.
+"""A client's local training: crosstrain's loop with the ``fl_client`` recipe instance (``Trainer(recipe=...)``).
 
 The recipe is ``lm`` on this client's shard of the data (contiguous shard ``id`` of ``fl.clients``), starting
-from the server's global weights. Every ``fl.local_steps`` optimizer steps the strict
-``crosstrain_after_optimizer_step`` hook hands the update (local - global, flat float32) to the server and loads
-the next round's global weights; when the server has finished it asks the loop to stop. With ``fl.fedprox_mu``
-the loss gains FedProx's proximal term mu/2 * ||w - w_global||^2 (Li et al. 2020, "Federated Optimization in
-Heterogeneous Networks", eq. 2) as the auxiliary loss ``aux/fedprox``.
+from the server's global weights. Every ``fl.local_steps`` optimizer steps its ``after_optimizer_step`` hands the
+update (local - global, flat float32) to the server, records the round as an ``fl_round`` event (the run's
+events.jsonl and every metrics sink) and loads the next round's global weights; when the server has finished it
+asks the loop to stop. With ``fl.fedprox_mu`` the loss gains FedProx's proximal term mu/2 * ||w - w_global||^2
+(Li et al. 2020, "Federated Optimization in Heterogeneous Networks", eq. 2) as the auxiliary loss ``aux/fedprox``.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class FLClientRecipe(LMRecipe):
     name = RECIPE
     supports_pipeline = False
 
-    def __init__(self, client: FLClient, clients: int, metrics_path: Path | None = None) -> None:
+    def __init__(self, client: FLClient, clients: int) -> None:
         super().__init__()
-        self.client, self.clients, self.metrics_path = client, clients, metrics_path
+        self.client, self.clients = client, clients
         self.round: Round | None = None
         self.layout: Layout | None = None
         self.model: nn.Module | None = None
@@ -108,8 +108,8 @@ class FLClientRecipe(LMRecipe):
             add_aux_loss("fedprox", proximal_term(list(models["model"].parameters()), self.anchor, self.mu))
         return out
 
-    def after_step(self, context: Any, step: int) -> None:
-        """``crosstrain_after_optimizer_step``: at the end of a round's local steps, exchange with the server.
+    def after_optimizer_step(self, context: Any, step: int) -> None:
+        """At the end of a round's local steps, exchange with the server and record the round (``fl_round``).
 
         The loss sent along is the mean training loss of the round's micro-batches.
         """
@@ -120,14 +120,12 @@ class FLClientRecipe(LMRecipe):
         update = self.layout.flatten(self.model) - self.round.global_vec
         mean_loss = float(torch.stack(self.losses).float().mean()) if self.losses else float("nan")
         self.losses = []
-        record = {"round": self.round.round + 1, "step": step, "loss": mean_loss,
+        record = {"round": self.round.round + 1, "loss": mean_loss if np.isfinite(mean_loss) else None,
                   "update_norm": float(np.linalg.norm(update)), "weight": self.weight}
         nxt = self.client.exchange(self.round, update, weight=self.weight, loss=mean_loss)
         self.rounds_done += 1
         self.last_loss = mean_loss
-        if self.metrics_path is not None:
-            with open(self.metrics_path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+        context.emit_event("fl_round", **record)
         if nxt is None:
             if step < context.config.train.steps:  # stop early (the server resumed, or this client joined late)
                 context.request_stop("fl: the server has finished its rounds")
@@ -136,13 +134,9 @@ class FLClientRecipe(LMRecipe):
         self._load(self.model)
 
 
-#: the recipe of the client running in this process (set by :func:`run_client`), for the plugin's hooks.
-ACTIVE: FLClientRecipe | None = None
-
-
 def run_client(config: Any, run_dir: Path, client: FLClient) -> dict[str, Any]:
-    """Train as an FL client until the server finishes; writes summary.json and metrics.jsonl to ``run_dir``."""
-    global ACTIVE
+    """Train as an FL client until the server finishes; writes summary.json to ``run_dir`` (the training run, with
+    each round's ``fl_round`` event in its events.jsonl, under ``run_dir/train``)."""
     from crosstrain.checkpoint.manifest import atomic_write
     from crosstrain.engine.trainer import Trainer
     from crosstrain.plugins.fl.server import check_modes, fl_section
@@ -157,12 +151,10 @@ def run_client(config: Any, run_dir: Path, client: FLClient) -> dict[str, Any]:
     cfg.checkpoint.final = False  # the server checkpoints the global model; a client keeps nothing
     cfg.checkpoint.resume = "never"
     run_dir.mkdir(parents=True, exist_ok=True)
-    recipe = FLClientRecipe(client, fl.clients, run_dir / "metrics.jsonl")
-    ACTIVE = recipe
+    recipe = FLClientRecipe(client, fl.clients)
     try:
-        Trainer(cfg, run_dir / "train").fit()
+        Trainer(cfg, run_dir / "train", recipe=recipe).fit()
     finally:
-        ACTIVE = None
         client.channel.close()
     summary = {"client": client.client_id, "rounds": recipe.rounds_done, "clients": fl.clients, "secure": fl.secure,
                "final_loss": recipe.last_loss if np.isfinite(recipe.last_loss) else None,

@@ -1,14 +1,16 @@
-"""What ``grpo`` and ``ppo`` share: prompts, rollouts in the training dataset's ``batch()``, rewards, the
-reference model, step-level global statistics, the policy loss, diagnostics, eval and checkpointed state.
+"""What ``grpo`` and ``ppo`` share: prompts, rollouts, rewards, the reference model, step-level global statistics,
+the policy loss, diagnostics, eval and checkpointed state.
 
-How a step runs in the loop (crosstrain.engine.Trainer.train_step): the loop asks the dataset for the step's
-``grad_accum`` micro-batches first, so :meth:`RLRecipe.rollout` samples every micro-batch's completions from the
-current policy before any backward; the first :meth:`loss` call of the step then all-reduces the rollouts'
-sums (tokens, sequences, reward moments, ...) once, and every micro-batch's loss is its share of the global
-batch's loss (:mod:`.aggregate`). As in TRL, ``train.batch_size`` counts completions: a micro-batch of ``B``
-sampled indices takes its first ``B / G`` prompts and samples ``G`` completions of each. One optimizer step per
-rollout batch (on-policy; pi_old = the rollout's log-probs, so the ratio is 1 up to the rollout-vs-training
-numerical difference, which is reported).
+How a step runs in the loop (docs/recipes.md states the loop's order): the training dataset's ``batch()`` gives
+the prompt indices of each of the step's ``grad_accum`` micro-batches; :meth:`RLRecipe.prepare_step` (once per
+step, before the first forward) samples every micro-batch's completions from the current policy, all-reduces
+the rollouts' sums (tokens, sequences, reward moments, ...) once, and tags each micro-batch with the step's
+global statistics and its position in the step; every micro-batch's :meth:`RLRecipe.loss` is then its share of
+the global batch's loss (:mod:`.aggregate`), and :meth:`RLRecipe.after_optimizer_step` updates the adaptive KL
+coefficient. As in TRL, ``train.batch_size`` counts completions: a micro-batch of ``B`` sampled indices takes its
+first ``B / G`` prompts and samples ``G`` completions of each. One optimizer step per rollout batch (on-policy;
+pi_old = the rollout's log-probs, so the ratio is 1 up to the rollout-vs-training numerical difference, which is
+reported).
 """
 
 from __future__ import annotations
@@ -48,17 +50,17 @@ SUMS = ("tokens", "sequences", "reward", "reward_sq", "zero_std_groups", "groups
 
 
 class PromptDataset:
-    """Prompt indices; the training dataset's ``batch()`` is a rollout, the eval dataset's just the indices."""
+    """Prompt indices: a batch is ``{"prompt_index": [B]}``; the recipe's ``prepare_step`` turns a training
+    step's batches into rollouts."""
 
-    def __init__(self, size: int, rollout: Any = None) -> None:
-        self.size, self.rollout = size, rollout
+    def __init__(self, size: int) -> None:
+        self.size = size
 
     def __len__(self) -> int:
         return self.size
 
-    def batch(self, indices: Any) -> Any:
-        idx = [int(i) for i in np.asarray(indices).reshape(-1)]
-        return self.rollout(idx) if self.rollout is not None else {"prompt_index": torch.tensor(idx)}
+    def batch(self, indices: Any) -> dict[str, torch.Tensor]:
+        return {"prompt_index": torch.tensor([int(i) for i in np.asarray(indices).reshape(-1)])}
 
 
 def scalar_head_gpt(config: Config) -> nn.Module:
@@ -171,15 +173,14 @@ class RLRecipe(Recipe):
         # rows padded to one width for the run: a micro-batch's padding (which MoE routers count) then does not
         # depend on which prompts share it
         self.width = max(len(p) for p in self.prompts["train"]) + self.sec.max_new_tokens
-        self.pending: list[dict[str, Any]] = []
-        self.rollouts = self.losses = 0
+        self.step_stats: dict[str, float] | None = None  # the step's global sums, from prepare_step
 
     def extra_models(self, config: Config, policy: nn.Module) -> dict[str, ModelSpec]:
         return {}
 
     def build_dataset(self, context: Any) -> Any:
         self.context = context
-        return PromptDataset(len(self.prompts["train"]), self.rollout)
+        return PromptDataset(len(self.prompts["train"]))
 
     def build_eval_dataset(self, context: Any) -> Any:
         return PromptDataset(len(self.prompts["eval"]))
@@ -218,23 +219,43 @@ class RLRecipe(Recipe):
             values = tasks.vowel_fraction(texts, prompts)
         return torch.tensor(values, dtype=torch.float32, device=device)
 
+    def prepare_step(self, micro_batches: list[Any], context: Any) -> list[dict[str, Any]]:
+        """The step's rollouts: one sampling seed for the step, every micro-batch sampled, scored and precomputed
+        from the current policy, their sums all-reduced once, and each tagged with the step's global statistics
+        (``rl_stats``) and its position in the step (``rl_micro``)."""
+        seed = self.rng.next_seed()
+        return self.tag([self.rollout([int(i) for i in mb["prompt_index"].tolist()], seed) for mb in micro_batches])
+
+    def tag(self, rollouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Pop each rollout's local ``rl_sums``, sum them over the step's micro-batches and the data-parallel ranks
+        (one all-reduce) and tag every rollout with the result and its index; kept for :meth:`after_optimizer_step`."""
+        local = torch.stack([r.pop("rl_sums") for r in rollouts]).sum(0)
+        self.step_stats = dict(zip(SUMS, global_sums(local, self.copies).tolist(), strict=True))
+        for j, r in enumerate(rollouts):
+            r["rl_stats"], r["rl_micro"] = self.step_stats, j
+        return rollouts
+
+    def after_optimizer_step(self, context: Any, step: int) -> None:
+        """The adaptive KL controller sees the step's per-sequence KL (as TRL's), for the next step's rollouts."""
+        g, self.step_stats = self.step_stats, None
+        if g is not None:
+            n = g["sequences"]
+            self.kl_ctl.update(g["kl"] / max(n, 1), int(n))
+
     @torch.no_grad()
-    def rollout(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Sample, score and precompute one training micro-batch (called by the loop for each micro-batch)."""
+    def rollout(self, indices: list[int], step_seed: int) -> dict[str, Any]:
+        """Sample, score and precompute one training micro-batch; its local sums are ``rl_sums`` (:data:`SUMS`)."""
         models = self.context.models
-        if self.rollouts % self.grad_accum == 0:
-            self.step_seed = self.rng.next_seed()
-        self.rollouts += 1
         # the batch counts completions: B / G prompts, G each; every G-th of the step's samples (a micro-batch
         # starts at a multiple of G), so the step's prompts, and each micro-batch's over all ranks, do not
         # depend on the layout
         indices = indices[:: self.group]
-        noise = prompt_noise(self.step_seed, indices, self.group, self.gen_config.max_new_tokens)
+        noise = prompt_noise(step_seed, indices, self.group, self.gen_config.max_new_tokens)
         packed = sample(models["policy"], [self.prompts["train"][i] for i in indices], self.group, self.gen_config,
                         noise, self.width)
         mask = packed.mask
-        batch: dict[str, torch.Tensor] = {"ids": packed.ids, "index": packed.index, "tokens": packed.tokens,
-                                          "mask": mask, "rollout_logps": packed.logprobs}
+        batch: dict[str, Any] = {"ids": packed.ids, "index": packed.index, "tokens": packed.tokens, "mask": mask,
+                                 "rollout_logps": packed.logprobs}
         scores = self.score(packed, indices, "train", self.group)
         kl = torch.zeros_like(packed.logprobs)
         if "reference" in models:
@@ -249,8 +270,7 @@ class RLRecipe(Recipe):
                 "reward_sq": (scores.double() ** 2).sum(), "zero_std_groups": zero_std, "groups": groups.shape[0],
                 "kl": kl.double().sum(), "stopped": packed.stopped.double().sum()}
         batch.update(self.prepare(models, packed, scores, kl, sums))
-        vector = torch.tensor([float(sums.get(k, 0.0)) for k in SUMS], dtype=torch.float64)
-        self.pending.append({"sums": vector})
+        batch["rl_sums"] = torch.tensor([float(sums.get(k, 0.0)) for k in SUMS], dtype=torch.float64)
         return batch
 
     def prepare(self, models: Mapping[str, nn.Module], packed: Packed, scores: torch.Tensor, kl: torch.Tensor,
@@ -259,11 +279,6 @@ class RLRecipe(Recipe):
         return {}
 
     # ------------------------------------------------------------------ the loss
-    def _step_stats(self) -> dict[str, float]:
-        local = torch.stack([p["sums"] for p in self.pending[-self.grad_accum:]]).sum(0)
-        g = global_sums(local, self.copies).tolist()
-        return dict(zip(SUMS, g, strict=True))
-
     def advantages(self, batch: Mapping[str, torch.Tensor], g: dict[str, float]) -> torch.Tensor:
         raise NotImplementedError
 
@@ -273,11 +288,7 @@ class RLRecipe(Recipe):
 
     def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
         sec = self.sec
-        j = self.losses % self.grad_accum
-        self.losses += 1
-        if j == 0:
-            self.g = self._step_stats()
-        g, terms = self.g, self.grad_accum * self.dp
+        g, j, terms = batch["rl_stats"], batch["rl_micro"], self.grad_accum * self.dp
         mask, tokens = batch["mask"], batch["tokens"]
         logits = completion_logits(models["policy"], batch["ids"], batch["index"]).float()
         logp_all = logits.log_softmax(-1)
@@ -318,9 +329,6 @@ class RLRecipe(Recipe):
         if sec.beta:
             metrics["kl"] = g["kl"] / max(g["tokens"], 1)
             metrics["beta"] = self.kl_ctl.beta
-        if j == self.grad_accum - 1:
-            self.kl_ctl.update(g["kl"] / max(n, 1), int(n))  # per-sequence KL, as TRL's controller
-            self.pending.clear()
         return MicroBatchLoss(loss, metrics)
 
     def _step_max(self, value: float, j: int) -> float:
