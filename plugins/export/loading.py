@@ -175,8 +175,6 @@ def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------------
-
-
 def _config_near(paths: list[Path], where: str) -> GPTConfig:
     for p in paths:
         if p.is_file():
