@@ -64,19 +64,26 @@ def test_validate_parallel():
     _one_line(lambda: check(tiny, ParallelDims(pp=3, world_size=3).resolve()), "parallel.pp=3", "model.n_layers=2")
     tied = GPTConfig(dim=64, n_layers=2, n_heads=4, tie_embeddings=True)
     _one_line(lambda: check(tied, ParallelDims(pp=2, world_size=2).resolve()), "tie_embeddings")
-    _one_line(lambda: check(GPTConfig(vocab_size=255), ParallelDims(tp=2, world_size=2).resolve()),
-              "model.vocab_size=255")
-    _one_line(lambda: check_world(load_config(None, ["parallel.tp=4", "model.n_heads=2"]), 4),  # the launcher's
-              "parallel.tp=4", "model.n_heads=2")
+    _one_line(
+        lambda: check(GPTConfig(vocab_size=255), ParallelDims(tp=2, world_size=2).resolve()), "model.vocab_size=255"
+    )
+    _one_line(
+        lambda: check_world(load_config(None, ["parallel.tp=4", "model.n_heads=2"]), 4),  # the launcher's
+        "parallel.tp=4",
+        "model.n_heads=2",
+    )
 
 
-@pytest.mark.parametrize("overrides", [
-    [],
-    ["model.preset=small", "model.n_kv_heads=2", "model.tie_embeddings=true"],
-    ["moe.experts=4"],
-    ["moe.experts=4", "moe.every=2", "moe.shared_experts=1", "moe.top_k=1"],
-    ["moe.experts=2", "moe.expert_dim=40"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.preset=small", "model.n_kv_heads=2", "model.tie_embeddings=true"],
+        ["moe.experts=4"],
+        ["moe.experts=4", "moe.every=2", "moe.shared_experts=1", "moe.top_k=1"],
+        ["moe.experts=2", "moe.expert_dim=40"],
+    ],
+)
 def test_param_count_is_the_built_and_transformed_model(overrides):
     """The estimate behind parallel.layout=auto counts what the run trains: the GPT and the MoE plugin's experts."""
     from crosstrain.plugins.moe.setup import transform
@@ -147,9 +154,14 @@ def _refuse_parallel(cfg: ToyConfig, dims: ParallelDims) -> None:
 
 
 TOY = ModelFamily(
-    name="toy", config_cls=ToyConfig, presets={"toy": ToyConfig()}, model_classes=(Toy,), build=Toy,
+    name="toy",
+    config_cls=ToyConfig,
+    presets={"toy": ToyConfig()},
+    model_classes=(Toy,),
+    build=Toy,
     config_from_run=lambda config: ToyConfig(dim=int(config.model.options.get("dim", 16))),
-    check=lambda cfg, config: None, validate_parallel=_refuse_parallel,
+    check=lambda cfg, config: None,
+    validate_parallel=_refuse_parallel,
     param_count=lambda cfg: 2 * cfg.vocab_size * cfg.dim,
     flops_per_token=lambda model, seq_len, inactive: 6.0 * (_count(model) - inactive),
     activation_bytes=lambda cfg, micro, seq: 0,
@@ -176,11 +188,14 @@ def test_a_plugin_family_is_found_by_its_preset_and_counted_by_its_bundle():
         assert param_count(config) == 2 * 256 * 8 + 7  # the family's count plus the extension's
         assert training_flops_per_token(model, 32) == 6.0 * (_count(model) - _count(model) // 2)
         assert count_flops([("model", model, True)], 32)[1]["model"]["counted"] == (
-            "forward + backward: the model's flops_per_token")  # its family's, not 6N
+            "forward + backward: the model's flops_per_token"
+        )  # its family's, not 6N
         assert "toy2" not in families()
         assert any("preset 'toy' belongs to family 'toy'" in e.error for e in pluginmanager.load_errors())
-        _one_line(lambda: check_world(load_config(None, ["model.preset=toy", "parallel.tp=2"]), 2),
-                  "the toy family does not shard")
+        _one_line(
+            lambda: check_world(load_config(None, ["model.preset=toy", "parallel.tp=2"]), 2),
+            "the toy family does not shard",
+        )
     finally:
         pluginmanager.unregister("toy-family")
     assert "toy" not in families()
@@ -213,7 +228,11 @@ def test_scalar_head_on_a_tied_model_stays_a_scalar_head():
 
 
 def test_scalar_head_refuses_a_model_of_no_family():
-    _one_line(lambda: swap_scalar_head(nn.Linear(2, 2), "normal", who="--recipe rm"),
-              "--recipe rm needs the built-in GPT", "Linear", "model.import_path")
+    _one_line(
+        lambda: swap_scalar_head(nn.Linear(2, 2), "normal", who="--recipe rm"),
+        "--recipe rm needs the built-in GPT",
+        "Linear",
+        "model.import_path",
+    )
     with pytest.raises(ValueError, match="'xavier'"):
         swap_scalar_head(build_gpt("tiny"), "xavier", who="--recipe rm")
