@@ -185,66 +185,59 @@ static inline float row_lse(const T* l, int64_t v) {
   return m + __builtin_logf(s) + z;
 }
 
+// Row r's log-sum-exp and loss from its logits l; both 0 for an ignored row.
+template <class T>
+static inline void ce_loss_row(const CeArgs& a, int64_t r, const T* l) {
+  const int64_t t = a.targets[r];
+  if (t == a.ignore_index) {
+    a.lse[r] = 0.0f;
+    a.loss[r] = 0.0f;
+    return;
+  }
+  const float lse = row_lse(l, a.vocab);
+  a.lse[r] = lse;
+  a.loss[r] = lse - El<T>::get(l, t);
+}
+
+// Row r's gradient (softmax(l) - onehot(t)) * scale from its logits l and the lse the forward wrote; 0 for an
+// ignored row. g may be l itself (the fused kernel): l[t] is read before the row is overwritten.
+template <class T>
+static inline void ce_grad_row(const CeArgs& a, int64_t r, const T* l, T* g) {
+  const int64_t v = a.vocab;
+  const int64_t t = a.targets[r];
+  if (t == a.ignore_index) {
+#pragma omp simd
+    for (int64_t i = 0; i < v; ++i) El<T>::put(g, i, 0.0f);
+    return;
+  }
+  const float lse = a.lse[r];
+  const float sc = a.scale;
+  const float lt = El<T>::get(l, t);
+#pragma omp simd
+  for (int64_t i = 0; i < v; ++i) El<T>::put(g, i, ct_exp(El<T>::get(l, i) - lse) * sc);
+  El<T>::put(g, t, (ct_exp(lt - lse) - 1.0f) * sc);
+}
+
 template <class T>
 void ce_fwd(const void* pa, int64_t begin, int64_t end, float*) {
   const CeArgs& a = *static_cast<const CeArgs*>(pa);
-  const int64_t v = a.vocab;
-  for (int64_t r = begin; r < end; ++r) {
-    const int64_t t = a.targets[r];
-    if (t == a.ignore_index) {
-      a.lse[r] = 0.0f;
-      a.loss[r] = 0.0f;
-      continue;
-    }
-    const T* l = static_cast<const T*>(a.logits) + r * v;
-    const float lse = row_lse(l, v);
-    a.lse[r] = lse;
-    a.loss[r] = lse - El<T>::get(l, t);
-  }
+  for (int64_t r = begin; r < end; ++r) ce_loss_row(a, r, static_cast<const T*>(a.logits) + r * a.vocab);
 }
 
 template <class T>
 void ce_bwd(const void* pa, int64_t begin, int64_t end, float*) {
   const CeArgs& a = *static_cast<const CeArgs*>(pa);
-  const int64_t v = a.vocab;
-  const float sc = a.scale;
-  for (int64_t r = begin; r < end; ++r) {
-    const int64_t t = a.targets[r];
-    const T* l = static_cast<const T*>(a.logits) + r * v;
-    T* g = static_cast<T*>(a.grad) + r * v;
-    if (t == a.ignore_index) {
-#pragma omp simd
-      for (int64_t i = 0; i < v; ++i) El<T>::put(g, i, 0.0f);
-      continue;
-    }
-    const float lse = a.lse[r];
-#pragma omp simd
-    for (int64_t i = 0; i < v; ++i) El<T>::put(g, i, ct_exp(El<T>::get(l, i) - lse) * sc);
-    El<T>::put(g, t, (ct_exp(El<T>::get(l, t) - lse) - 1.0f) * sc);
-  }
+  for (int64_t r = begin; r < end; ++r)
+    ce_grad_row(a, r, static_cast<const T*>(a.logits) + r * a.vocab, static_cast<T*>(a.grad) + r * a.vocab);
 }
 
+// Forward and backward in one pass over fp32 logits, which are overwritten with their gradient.
 void ce_fused(const void* pa, int64_t begin, int64_t end, float*) {
   const CeArgs& a = *static_cast<const CeArgs*>(pa);
-  const int64_t v = a.vocab;
-  const float sc = a.scale;
   for (int64_t r = begin; r < end; ++r) {
-    const int64_t t = a.targets[r];
-    float* l = const_cast<float*>(static_cast<const float*>(a.logits)) + r * v;
-    if (t == a.ignore_index) {
-      a.lse[r] = 0.0f;
-      a.loss[r] = 0.0f;
-#pragma omp simd
-      for (int64_t i = 0; i < v; ++i) l[i] = 0.0f;
-      continue;
-    }
-    const float lse = row_lse(l, v);
-    const float lt = l[t];
-    a.lse[r] = lse;
-    a.loss[r] = lse - lt;
-#pragma omp simd
-    for (int64_t i = 0; i < v; ++i) l[i] = ct_exp(l[i] - lse) * sc;
-    l[t] = (ct_exp(lt - lse) - 1.0f) * sc;
+    float* l = const_cast<float*>(static_cast<const float*>(a.logits)) + r * a.vocab;
+    ce_loss_row(a, r, l);
+    ce_grad_row(a, r, l, l);
   }
 }
 
