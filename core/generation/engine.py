@@ -90,9 +90,10 @@ def generate(model: nn.Module, prompts: list[list[int]], config: GenerationConfi
     ids, prompt_mask = left_pad(prompts, config.pad_token, device)
     batch, width = ids.shape
     steps = config.max_new_tokens
-    if noise is not None and tuple(noise.shape) != (batch, steps):
-        raise ConfigError(f"noise has shape {tuple(noise.shape)}; pass one uniform per row and new token, "
-                          f"[{batch}, {steps}]")
+    if noise is not None:
+        if tuple(noise.shape) != (batch, steps):
+            raise ConfigError(f"noise has shape {tuple(noise.shape)}; pass one uniform per row and new token, "
+                              f"[{batch}, {steps}]")
         noise = noise.to(device)
     key_mask = torch.ones((batch, width + steps), dtype=torch.bool, device=device)
     key_mask[:, :width] = prompt_mask

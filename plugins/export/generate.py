@@ -1,9 +1,10 @@
 """Greedy and sampled generation with a KV cache, on PyTorch or onnxruntime, behind one small interface.
 
 Both engines run the same computation (the reference kernels of the GPT, a prefill over the prompt and one
-forward per new token feeding back the cache) so greedy decoding yields identical tokens. The torch engine decodes
-on the GPT's static KV cache (``crosstrain.generation``'s cache protocol); both engines pick tokens with
-``crosstrain.generation.sampling``, so a seed gives the same tokens on either.
+forward per new token feeding back the cache) so greedy decoding yields identical tokens. The torch engine
+generates with :func:`crosstrain.generation.generate` (the GPT's static KV cache); the onnxruntime engine runs its
+own loop here, feeding back the exported graph's ``present`` arrays. Both pick tokens with
+``crosstrain.generation.sampling`` from one seeded generator, so a seed gives the same tokens on either.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from crosstrain.generation import GenerationConfig
+from crosstrain.generation import generate as generate_tokens
 from crosstrain.generation.cache import StaticKVCache
 from crosstrain.generation.sampling import next_tokens
 from crosstrain.kernels import registry as kernel_registry
@@ -62,6 +65,16 @@ class TorchEngine:
     def forward(self, ids: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:
         logits, cache = self.forward_torch(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), cache)
         return logits.float().numpy(), cache
+
+    def generate(self, rows: list[list[int]], max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+                 generator: torch.Generator) -> list[list[int]]:
+        """Each row's new tokens (up to and including ``eos_id``) from :func:`crosstrain.generation.generate`."""
+        config = GenerationConfig(max_new_tokens=max_new_tokens, greedy=sampling.temperature <= 0,
+                                  temperature=sampling.temperature or 1.0, top_k=sampling.top_k, top_p=sampling.top_p,
+                                  stop_tokens=() if eos_id is None else (eos_id,))
+        with kernel_registry.use_reference(), torch.inference_mode():
+            out = generate_tokens(self.model, rows, config, generator)
+        return [row[:n] for row, n in zip(out.tokens.tolist(), out.lengths.tolist(), strict=True)]
 
 
 class OrtEngine:
@@ -178,6 +191,14 @@ def generate(
         generator.seed()
     else:
         generator.manual_seed(sampling.seed)
+    if isinstance(engine, TorchEngine):
+        return engine.generate(ids.tolist(), max_new_tokens, sampling, eos_id, generator)
+    return _ort_loop(engine, ids, max_new_tokens, sampling, eos_id, generator)
+
+
+def _ort_loop(engine: Engine, ids: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+              generator: torch.Generator) -> list[list[int]]:
+    """Prefill, then one forward per new token feeding back the engine's cache; a row ends after its ``eos_id``."""
     cache = engine.empty_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
     out: list[np.ndarray] = []
     done = np.zeros(ids.shape[0], dtype=bool)
@@ -194,4 +215,5 @@ def generate(
             step_ids = nxt[:, None]
     if not out:
         return [[] for _ in range(ids.shape[0])]
-    return np.stack(out, axis=1).tolist()
+    rows = np.stack(out, axis=1).tolist()
+    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]

@@ -13,12 +13,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from crosstrain.config import Config, gpt_config
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
 from crosstrain.errors import ConfigError
+from crosstrain.generation import GenerationConfig, generate
 from crosstrain.models.family import swap_scalar_head
 from crosstrain.plugins.rlhf import data as rdata
 from crosstrain.plugins.rlhf import synthetic
@@ -264,28 +266,16 @@ class DPORecipe(RLHFRecipe):
         return MicroBatchLoss(loss, metrics)
 
 
-@torch.no_grad()
 def greedy_completions(model: nn.Module, prompts: torch.Tensor, lengths: torch.Tensor, new_tokens: int,
                        tokenizer: Any) -> list[str]:
-    """Greedy continuations of right-padded ``prompts [B, P]`` (true ``lengths [B]``), decoded.
+    """Greedy continuations of right-padded ``prompts [B, P]`` (true ``lengths [B]``), ``new_tokens`` each, decoded.
 
-    Each step runs the whole buffer and reads every row at its own last token: under causal attention a row's
-    padding comes after all its real tokens, so it never changes them. The number of forwards is the same on
-    every rank (sharded models all-gather in step).
+    Decoded by :func:`crosstrain.generation.generate` (KV cache, one forward per new token; sharded models are
+    gathered once per call). No stop token: every rank runs the same number of forwards.
     """
-    b = prompts.shape[0]
-    buf = torch.zeros(b, prompts.shape[1] + new_tokens, dtype=prompts.dtype, device=prompts.device)
-    buf[:, : prompts.shape[1]] = prompts
-    pos = lengths.clone().to(prompts.device)
-    rows = torch.arange(b, device=prompts.device)
-    for _ in range(new_tokens):
-        width = int(pos.max())
-        logits = model(buf[:, :width])
-        nxt = logits[rows, pos - 1].argmax(-1)
-        buf[rows, pos] = nxt.to(buf.dtype)
-        pos = pos + 1
-    start = lengths.tolist()
-    return [tokenizer.decode(buf[i, start[i] : start[i] + new_tokens].cpu().numpy()) for i in range(b)]
+    rows = [row[:n] for row, n in zip(prompts.tolist(), lengths.tolist(), strict=True)]
+    out = generate(model, rows, GenerationConfig(max_new_tokens=new_tokens, greedy=True))
+    return [tokenizer.decode(np.asarray(row, dtype=np.int64)) for row in out.tokens.tolist()]
 
 
 RECIPES: dict[str, type[Recipe]] = {"sft": SFTRecipe, "rm": RewardRecipe, "dpo": DPORecipe}
