@@ -187,6 +187,8 @@ def test_consumers_report_bad_paths_in_one_line(w: Path, tmp_path: Path, capsys:
           str(tmp_path / "r")], 2, "model.init_from"),
         (["train", *_sets(TRAIN), "--set", f"checkpoint.resume={w / 'm.safetensors'}", "--run-dir",
           str(tmp_path / "r")], 2, "checkpoint.resume"),
+        (["train", *_sets([*TRAIN, "moe.experts=2", f"moe.upcycle_from={tmp_path / 'missing'}"]), "--run-dir",
+          str(tmp_path / "r")], 2, "moe.upcycle_from"),
     ]
     for argv, code, needle in cases:
         capsys.readouterr()

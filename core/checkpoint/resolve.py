@@ -48,7 +48,7 @@ _NOUNS: dict[Kind, tuple[str, ...]] = {"checkpoint": ("a run dir", "its checkpoi
 _NAME: dict[Kind, str] = {"checkpoint": "a crosstrain checkpoint", "safetensors": "a .safetensors file",
                           "hf": "a Hugging Face model folder"}
 
-#: how a checkpoint was named: a run dir, a folder of ``step_N``, one ``step_N``
+#: how the path names its weights: a run dir, a folder of ``step_N``, one ``step_N``, or the weights themselves
 _Form = Literal["run", "folder", "step", "file"]
 
 
@@ -82,7 +82,7 @@ def resolve_path(path: str | os.PathLike[str] | Resolved, *, what: str = "", acc
         _check_kind(path.kind, repr(str(path.path)), accept)
         return path
     p = Path(path)
-    subject = f"{what} {str(p)!r}" if what else repr(str(p))
+    subject = _subject(p, what)
     kind, form, target = _classify(p, subject, accept)
     _check_kind(kind, subject, accept)
     if best and form not in ("run", "folder"):
@@ -104,10 +104,14 @@ def source_kind(path: str | os.PathLike[str], *, what: str = "", accept: Collect
     """The kind of weights ``path`` names (the errors of :func:`resolve_path` for a path that names none), without
     picking or verifying a checkpoint: cheap enough for config checks."""
     p = Path(path)
-    subject = f"{what} {str(p)!r}" if what else repr(str(p))
+    subject = _subject(p, what)
     kind = _classify(p, subject, accept)[0]
     _check_kind(kind, subject, accept)
     return kind
+
+
+def _subject(p: Path, what: str) -> str:
+    return f"{what} {str(p)!r}" if what else repr(str(p))
 
 
 def _wanted(accept: Collection[Kind]) -> str:

@@ -251,13 +251,14 @@ def load_safetensors_file(path: Path) -> LoadedModel:
     return LoadedModel(model, model.config, tokenizer, str(path))
 
 
-def load_model(path: str | os.PathLike[str] | Resolved, *, best: bool = False) -> LoadedModel:
+def load_model(path: str | os.PathLike[str] | Resolved, *, best: bool = False, what: str = "") -> LoadedModel:
     """Load what ``path`` points to (:func:`~crosstrain.checkpoint.resolve.resolve_path`): a run dir (its newest
     checkpoint, or with ``best`` its best one), a ``checkpoints/`` folder, one checkpoint, a .safetensors file or
-    a Hugging Face model folder (config.json with a model_type + safetensors)."""
+    a Hugging Face model folder (config.json with a model_type + safetensors). ``what`` names ``path`` in errors
+    (a config key)."""
     if not isinstance(path, Resolved) and Path(path).suffix == ".onnx" and Path(path).is_file():
         raise ExportError(f"{path} is already an ONNX model; export needs a run dir, checkpoint or .safetensors file")
-    source = resolve_path(path, best=best)
+    source = resolve_path(path, best=best, what=what)
     if source.kind == "safetensors":
         return load_safetensors_file(source.path)
     if source.kind == "hf":

@@ -48,5 +48,5 @@ def upcycle_from(moe: nn.Module, source: str) -> None:
     """Load the dense GPT at ``source`` (a run dir, checkpoint or .safetensors file) into ``moe``, in place."""
     from crosstrain.plugins.export.loading import load_model
 
-    dense = load_model(source).model.state_dict()
+    dense = load_model(source, what="moe.upcycle_from").model.state_dict()
     moe.load_state_dict(upcycled_state(moe, dense))
