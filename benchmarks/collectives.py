@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _timing import alternate
 
 from crosstrain.collective import Collective, _all_gather_single, _reduce_scatter_single
 from crosstrain.testing.multiprocess import run_ranks
@@ -71,12 +72,9 @@ def bench(c: Collective, sizes: list[int], reps: int, null: bool = False) -> lis
             # single calls in adjacent pairs (order alternating), so each pair sees the same machine state;
             # more pairs for small, fast messages
             pairs = max(reps, min(2000, int(4e8 // max(nbytes, 1))))
-            t_ours: list[float] = []
-            t_raw: list[float] = []
-            for i in range(pairs):
-                order = ((ours, t_ours), (raw, t_raw)) if i % 2 == 0 else ((raw, t_raw), (ours, t_ours))
-                for fn, sink in order:
-                    sink.append(_timed(fn, 1))
+            calls = {"ours": ours, "raw": raw}
+            got = alternate(list(calls), pairs, lambda name, _, calls=calls: _timed(calls[name], 1))
+            t_ours, t_raw = got["ours"], got["raw"]
             ratio = statistics.median(r / o for r, o in zip(t_raw, t_ours, strict=True))
             best_ours, best_raw = statistics.median(t_ours), statistics.median(t_raw)
             alg_ours, alg_raw = nbytes / best_ours / 1e9, nbytes / best_raw / 1e9

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 import torch
+from _timing import alternate, seconds, step_clock
 
 
 def _config(args: argparse.Namespace, *extra: str):  # type: ignore[no-untyped-def]
@@ -47,23 +48,11 @@ def crosstrain_step(args: argparse.Namespace, *extra: str) -> tuple[float, float
     """The Trainer's median step time and the median main-thread CPU time per step (the work itself: with one
     intra-op thread, forward, backward and the optimizer all run on the calling thread, so other processes on the
     machine barely move it)."""
-    from crosstrain import hookimpl, pluginmanager
     from crosstrain.engine import Trainer
 
-    cpu: list[float] = []
-
-    class StepCpuClock:
-        @hookimpl
-        def crosstrain_on_step_end(self, context: object, step: int, metrics: dict[str, float]) -> None:
-            cpu.append(time.thread_time())
-
-    pluginmanager.register(StepCpuClock(), name="dpo-bench-cpu-clock")
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            wall = float(Trainer(_config(args, *extra), run_dir=d).fit()["median_step_time_s"])
-    finally:
-        pluginmanager.unregister("dpo-bench-cpu-clock")
-    return wall, statistics.median(b - a for a, b in zip(cpu[2:], cpu[3:], strict=False))
+    with step_clock(time.thread_time) as cpu, tempfile.TemporaryDirectory() as d:
+        wall = float(Trainer(_config(args, *extra), run_dir=d).fit()["median_step_time_s"])
+    return wall, statistics.median(cpu.intervals[2:])
 
 
 def plain_step(args: argparse.Namespace) -> float:
@@ -129,13 +118,12 @@ def recipe_loss_ratio(args: argparse.Namespace, reps: int = 20) -> float:
             ref, _ = sequence_logps(models["reference"](ids[:, :-1]), ids[:, 1:], mask)
         dpo_loss(*logps.chunk(2), *ref.chunk(2), beta=0.1)[0].mean().backward()
 
-    times: dict[str, list[float]] = {"ours": [], "plain": []}
-    for i in range(reps):
-        for name, fn in ((("ours", ours), ("plain", plain)) if i % 2 == 0 else (("plain", plain), ("ours", ours))):
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-            policy.zero_grad(set_to_none=True)
+    def timed(name: str, _round: int) -> float:
+        took = seconds({"ours": ours, "plain": plain}[name])
+        policy.zero_grad(set_to_none=True)
+        return took
+
+    times = alternate(["ours", "plain"], reps, timed)
     return statistics.median(times["ours"]) / statistics.median(times["plain"])
 
 
@@ -149,13 +137,9 @@ def main() -> None:
     torch.set_num_threads(1)
     runs = {"ours": lambda: crosstrain_step(args), "plain": lambda: (plain_step(args), float("nan")),
             "pre": lambda: crosstrain_step(args, "rlhf.reference=precomputed")}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    cpu: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(args.rounds):  # ABBA: odd rounds run in the reverse order
-        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-            wall, thread = runs[name]()
-            times[name].append(wall)
-            cpu[name].append(thread)
+    results = alternate(list(runs), args.rounds, lambda name, _: runs[name]())
+    times = {name: [wall for wall, _ in got] for name, got in results.items()}
+    cpu = {name: [thread for _, thread in got] for name, got in results.items()}
     o, p, q = (statistics.median(times[name]) for name in runs)
     cpu_ratio = statistics.median(cpu["pre"]) / statistics.median(cpu["ours"])
     loss_ratio = recipe_loss_ratio(args)

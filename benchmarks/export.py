@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _timing import alternate, seconds
 
 from crosstrain.models.gpt import build_gpt
 from crosstrain.plugins.export.generate import OrtEngine, TorchEngine
@@ -37,18 +38,10 @@ PASTS = (32, 512)
 
 def _time_rounds(fns: dict[str, Any], iters: int, rounds: int) -> dict[str, float]:
     """Median over rounds of the mean seconds per call, engines alternating inside each round."""
-    samples: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up
         fn()
         fn()
-    for r in range(rounds):
-        order = list(fns) if r % 2 == 0 else list(reversed(fns))
-        for name in order:
-            fn = fns[name]
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / iters)
+    samples = alternate(list(fns), rounds, lambda name, _: seconds(fns[name], iters))
     return {k: statistics.median(v) for k, v in samples.items()}
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _timing import alternate, seconds
 
 from crosstrain import registry
 from crosstrain.kernels import reference
@@ -287,13 +288,7 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, fl
     """Median milliseconds of each function, all timed in every repetition (order alternating), after a warm-up."""
     for fn in fns.values():
         fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append((time.perf_counter() - t0) * 1e3)
+    times = alternate(list(fns), reps, lambda name, _: seconds(fns[name]) * 1e3)
     return {name: _median(ts) for name, ts in times.items()}
 
 

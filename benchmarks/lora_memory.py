@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from _timing import alternate
+
 
 def _status(key: str) -> int:
     """A ``/proc/self/status`` figure in bytes."""
@@ -87,10 +89,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    peaks: dict[str, list[int]] = {"full": [], "lora": []}
-    for r in range(args.rounds):
-        for which in (("full", "lora") if r % 2 == 0 else ("lora", "full")):
-            peaks[which].append(measure(args, which))
+    peaks = alternate(["full", "lora"], args.rounds, lambda which, _: measure(args, which))
     full, lora = statistics.median(peaks["full"]), statistics.median(peaks["lora"])
     mib = 2**20
     print(f"peak memory above the torch runtime: full-parameter DPO + frozen reference {full / mib:.1f} MiB, "

@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from _timing import alternate, seconds
 from torch import nn
 
 from crosstrain.plugins.moe import capacity, router
@@ -138,14 +138,9 @@ def main() -> int:
             assert torch.allclose(variants[name](x), layer(x[None])[0], atol=1e-5), name
     for module in variants.values():
         _step(module, x, up)  # warm up
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(args.rounds):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in order:
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                _step(variants[name], x[None] if name == "dropless" else x, up[None] if name == "dropless" else up)
-            times[name].append((time.perf_counter() - t0) / args.iters)
+    inputs = {name: (x[None], up[None]) if name == "dropless" else (x, up) for name in variants}
+    times = alternate(list(variants), args.rounds,
+                      lambda name, _: seconds(lambda: _step(variants[name], *inputs[name]), args.iters))
     tps = {name: args.tokens / statistics.median(ts) for name, ts in times.items()}
     for name, value in tps.items():
         print(f"{name:9s} {value:12,.0f} tokens/s (forward+backward, median of {args.rounds} rounds)")

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
+from _timing import alternate, step_clock
 
 from crosstrain.testing.multiprocess import run_ranks
 
@@ -60,37 +61,26 @@ def mlflow_available() -> bool:
 
 
 def _fit(s: dict[str, Any], on: bool, port: int, out_dir: str) -> list[float]:
-    from crosstrain import hookimpl, pluginmanager
     from crosstrain.config import load_config
     from crosstrain.engine import Trainer
 
-    ends: list[float] = []
-
-    class StepClock:
-        @hookimpl(trylast=True)
-        def crosstrain_on_step_end(self, context: Any, step: int, metrics: dict[str, float]) -> None:
-            ends.append(time.perf_counter())
-
-    pluginmanager.register(StepClock(), name="observability-step-clock")
-    try:
+    with step_clock() as clock:
         Trainer(load_config(None, _options(s, on, port)), run_dir=out_dir).fit()
-    finally:
-        pluginmanager.unregister("observability-step-clock")
-    return [b - a for a, b in itertools.pairwise(ends)]
+    return clock.intervals
 
 
 def _alternate(collective: Any, s: dict[str, Any], ports: list[int], rounds: int, warmup: int,
                tmp: str) -> dict[str, list[list[float]]]:
     """Per side, one list of step times per repetition, in ABBA order (off on, on off, off on, ...)."""
-    times: dict[str, list[list[float]]] = {"off": [], "on": []}
     short = dict(s, steps=6)
     _fit(short, False, 0, f"{tmp}/warmup-off")  # the first run in a fresh process is slower
     _fit(short, True, ports[0], f"{tmp}/warmup-on")
-    for r in range(rounds):
-        for name in (["off", "on"] if r % 2 == 0 else ["on", "off"]):
-            dist.barrier()
-            times[name].append(_fit(s, name == "on", ports[r + 1], f"{tmp}/{name}{r}")[warmup:])
-    return times
+
+    def run(name: str, r: int) -> list[float]:
+        dist.barrier()
+        return _fit(s, name == "on", ports[r + 1], f"{tmp}/{name}{r}")[warmup:]
+
+    return alternate(["off", "on"], rounds, run)
 
 
 def component_costs_us(n: int = 2000, with_mlflow: bool = False) -> dict[str, float]:

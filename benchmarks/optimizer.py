@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from _timing import seconds
 
 from crosstrain.backends.cpu import native
 
@@ -90,9 +90,7 @@ def main() -> None:
         fn()
     for _ in range(args.rounds):
         for name, (fn, _) in variants.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(seconds(fn))
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     ours = "crosstrain fused (bf16 in/out)"

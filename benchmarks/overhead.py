@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _timing import StepClock, alternate, step_clock
 
 from crosstrain.testing.multiprocess import run_ranks
 
@@ -39,21 +40,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- crosstrain
 def crosstrain_worker(collective: Any, s: dict[str, Any], out_dir: str) -> list[float]:
-    from crosstrain import hookimpl, pluginmanager
-
-    ends: list[float] = []
-
-    class StepClock:
-        @hookimpl
-        def crosstrain_on_step_end(self, context: Any, step: int, metrics: dict[str, float]) -> None:
-            ends.append(time.perf_counter())
-
-    pluginmanager.register(StepClock(), name="overhead-step-clock")
-    try:
+    with step_clock() as clock:
         _fit_crosstrain(s, out_dir)
-    finally:
-        pluginmanager.unregister("overhead-step-clock")
-    return [b - a for a, b in itertools.pairwise(ends)]
+    return clock.intervals
 
 
 def _fit_crosstrain(s: dict[str, Any], out_dir: str) -> None:
@@ -160,7 +149,7 @@ def _simple_loop(s: dict[str, Any], model: Any, opt: Any, backward: Any, clip: A
     seq, per_rank = s["seq_len"], s["batch_size"] // WORLD
     rank = dist.get_rank()
     offsets = torch.arange(seq + 1)
-    ends: list[float] = []
+    clock = StepClock()
     for step in range(s["steps"]):
         idx = torch.arange(per_rank) + (step * s["batch_size"] + rank * per_rank)
         rows = tokens[idx[:, None] * seq + offsets]
@@ -171,8 +160,8 @@ def _simple_loop(s: dict[str, Any], model: Any, opt: Any, backward: Any, clip: A
         opt.step()
         opt.zero_grad(set_to_none=True)
         float(loss)
-        ends.append(time.perf_counter())
-    return [b - a for a, b in itertools.pairwise(ends)]
+        clock.tick()
+    return clock.intervals
 
 
 # ---------------------------------------------------------------------------------------------------- driver
@@ -183,16 +172,15 @@ WORKERS = {"plain": plain_worker, "crosstrain": crosstrain_worker, "accelerate":
 def _alternate(collective: Any, s: dict[str, Any], names: list[str], rounds: int, warmup: int,
                tmp: str) -> dict[str, list[float]]:
     """Run every framework ``rounds`` times in turn, in the same two processes and process group."""
-    times: dict[str, list[float]] = {name: [] for name in names}
     short = dict(s, steps=8)
     for i, name in enumerate(names + names[::-1]):  # untimed warm-up: the first loop run in a fresh process is slower
         WORKERS[name](collective, short, f"{tmp}/warmup-{name}{i}")
-    for r in range(rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            dist.barrier()
-            times[name] += WORKERS[name](collective, s, f"{tmp}/{name}{r}")[warmup:]
-    return times
+
+    def run(name: str, r: int) -> list[float]:
+        dist.barrier()
+        return WORKERS[name](collective, s, f"{tmp}/{name}{r}")[warmup:]
+
+    return {name: [t for times in runs for t in times] for name, runs in alternate(names, rounds, run).items()}
 
 
 def main() -> None:

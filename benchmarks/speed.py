@@ -29,13 +29,11 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -43,6 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402  (the peers' loops, shared with benchmarks/overhead.py)
+from _timing import alternate, step_clock  # noqa: E402
 
 from crosstrain.hostmem import current_rss, peak_rss, reset_peak_rss  # noqa: E402
 from crosstrain.testing.multiprocess import run_ranks  # noqa: E402
@@ -54,16 +53,8 @@ SHAPES = {"tiny": (16, 128, 12), "small": (16, 128, 12), "100m": (8, 128, 6)}
 
 def crosstrain_defaults_worker(collective: Any, s: dict[str, Any], out_dir: str) -> tuple[list[float], dict]:
     """crosstrain with its defaults; returns the step intervals and what the defaults chose."""
-    from crosstrain import hookimpl, pluginmanager
     from crosstrain.config import load_config
     from crosstrain.engine import Trainer
-
-    ends: list[float] = []
-
-    class StepClock:
-        @hookimpl
-        def crosstrain_on_step_end(self, context: Any, step: int, metrics: dict[str, float]) -> None:
-            ends.append(time.perf_counter())
 
     config = load_config(None, [
         "backend=cpu", f"model.preset={s['preset']}", "model.vocab_size=256", f"train.steps={s['steps']}",
@@ -72,15 +63,12 @@ def crosstrain_defaults_worker(collective: Any, s: dict[str, Any], out_dir: str)
         f"schedule.warmup_steps={s['warmup']}", "logging.progress=none", "logging.tensorboard=false",
         "eval.every=0", "checkpoint.final=false",
     ])
-    pluginmanager.register(StepClock(), name="speed-step-clock")
-    try:
+    with step_clock() as clock:
         summary = Trainer(config, run_dir=out_dir).fit()
-    finally:
-        pluginmanager.unregister("speed-step-clock")
     chosen = {"optim_impl": summary["optim_impl"], "compile_s": summary["compile_s"],
               "layout": summary["defaults"]["layout"]["choice"],
               "compile": summary["defaults"]["compile"]["enabled"]}
-    return [b - a for a, b in itertools.pairwise(ends)], chosen
+    return clock.intervals, chosen
 
 
 def _peer(name: str) -> Any:
@@ -106,20 +94,13 @@ def _one_run(collective: Any, name: str, s: dict[str, Any], out_dir: str) -> tup
 def _alternate(collective: Any, s: dict[str, Any], names: list[str], rounds: int, warmup: int,
                tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1 for every worker; crosstrain's auto picks 1 too
-    times: dict[str, list[float]] = {n: [] for n in names}
-    peaks: dict[str, list[int]] = {n: [] for n in names}
-    first: dict = {}
     short = dict(s, steps=3)
     for name in names:  # untimed: every framework's first-use imports and allocator growth, before any measurement
         _one_run(collective, name, short, f"{tmp}/warmup-{name}")
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            got, peak, chosen = _one_run(collective, name, s, f"{tmp}/{name}{r}")
-            times[name] += got[warmup:]
-            peaks[name].append(peak)
-            if name == "crosstrain" and not first:
-                first = chosen
-    return {"times": times, "peaks": peaks, "first": first}
+    runs = alternate(names, rounds, lambda name, r: _one_run(collective, name, s, f"{tmp}/{name}{r}"))
+    return {"times": {n: [t for got, _, _ in runs[n] for t in got[warmup:]] for n in names},
+            "peaks": {n: [peak for _, peak, _ in runs[n]] for n in names},
+            "first": runs["crosstrain"][0][2] if runs.get("crosstrain") else {}}
 
 
 def _memory_only(collective: Any, name: str, s: dict[str, Any], tmp: str) -> int:

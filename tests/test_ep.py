@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import shared_ranks
 import torch
+from one_line import raises_one_line
 from torch import nn
 
 from crosstrain import kernels
@@ -26,16 +27,6 @@ from crosstrain.parallel import (
 DIM = 4
 TOKENS = 7  # per rank
 TOL = 1e-5
-
-
-def _one_line_error(fn, *words: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        fn()
-    text = str(info.value)
-    assert "\n" not in text and text
-    for word in words:
-        assert word in text, f"{word!r} not in {text!r}"
-    return text
 
 
 class TinyExperts(nn.Module):
@@ -87,18 +78,18 @@ def test_ep_is_carved_from_dp_shard():
     assert hsdp.mesh_shape() == {"pp": 1, "dp_replicate": 2, "dp_shard_out": 1, "ep": 2, "tp": 1}
     assert ParallelDims(world_size=2).resolve().mesh_shape() == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "ep": 1,
                                                                  "tp": 1}
-    _one_line_error(lambda: ParallelDims(dp_shard=4, ep=3, world_size=4).resolve(),
+    raises_one_line(lambda: ParallelDims(dp_shard=4, ep=3, world_size=4).resolve(),
                     "parallel.ep=3 must divide parallel.dp_shard=4", "pick a divisor")
-    _one_line_error(lambda: ParallelDims(dp_shard=1, tp=2, ep=2, world_size=2).resolve(),
+    raises_one_line(lambda: ParallelDims(dp_shard=1, tp=2, ep=2, world_size=2).resolve(),
                     "parallel.ep=2 must divide parallel.dp_shard=1")
-    _one_line_error(lambda: ParallelDims(ep=0, world_size=2).resolve(), "parallel.ep=0")
+    raises_one_line(lambda: ParallelDims(ep=0, world_size=2).resolve(), "parallel.ep=0")
 
 
 def test_config_accepts_ep_and_checks_it_against_the_world():
     from crosstrain.config.loader import check_world, load_config
 
     assert check_world(load_config(None, ["parallel.ep=2", "moe.experts=2", "train.batch_size=8"]), 2).ep == 2
-    _one_line_error(lambda: check_world(load_config(None, ["parallel.ep=2", "parallel.dp_shard=1",
+    raises_one_line(lambda: check_world(load_config(None, ["parallel.ep=2", "parallel.dp_shard=1",
                                                            "parallel.tp=2"]), 2), "parallel.ep=2 must divide")
 
 
@@ -108,7 +99,7 @@ def test_protocol_and_the_no_experts_error():
     assert isinstance(TinyExperts(), ExpertParallel) and not isinstance(nn.Linear(2, 2), ExpertParallel)
     check_expert_model(build_gpt("tiny"), ParallelDims(world_size=1).resolve())  # ep=1: anything goes
     check_expert_model(nn.Sequential(TinyExperts()), ParallelDims(ep=2, world_size=2).resolve())
-    _one_line_error(lambda: check_expert_model(build_gpt("tiny"), ParallelDims(ep=2, world_size=2).resolve()),
+    raises_one_line(lambda: check_expert_model(build_gpt("tiny"), ParallelDims(ep=2, world_size=2).resolve()),
                     "parallel.ep=2", "GPT", "apply_expert_parallel")
 
     class Recorder(nn.Module):
@@ -177,7 +168,7 @@ def test_ep_ranks_read_different_batches(per_rank):
     assert len(first) == len(second) == 4 and not first & second
 
 
-def test_gpt_without_experts_is_a_one_line_error(per_rank):
+def test_gpt_without_experts_is_araises_one_line(per_rank):
     for got in per_rank:
         text = got["gpt_error"]
         assert "parallel.ep=2" in text and "GPT" in text and "\n" not in text

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from one_line import raises_one_line
 from torch import nn
 
 from crosstrain import hookimpl, pluginmanager
@@ -28,16 +29,6 @@ from crosstrain.parallel import ParallelDims
 from crosstrain.parallel.layout import estimate_train_bytes
 
 
-def _one_line(fn, *words: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        fn()
-    text = str(info.value)
-    assert "\n" not in text and text
-    for word in words:
-        assert word in text, f"{word!r} not in {text!r}"
-    return text
-
-
 def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -45,29 +36,29 @@ def _count(model: nn.Module) -> int:
 def test_gpt_family_owns_the_presets_and_reads_the_run_config():
     gpt = families()["gpt"]
     assert family_for_preset("small") is gpt and gpt.presets is PRESETS
-    _one_line(lambda: load_config(None, ["model.preset=huge"]), "unknown model.preset 'huge'", "tiny, small")
+    raises_one_line(lambda: load_config(None, ["model.preset=huge"]), "unknown model.preset 'huge'", "tiny, small")
     cfg = gpt_config(load_config(None, ["model.preset=small", "model.n_layers=3"]))
     assert cfg == GPTConfig(**{**PRESETS["small"].to_dict(), "n_layers": 3})
     assert isinstance(gpt.build(cfg), GPT) and family_of(gpt.build(cfg)) is gpt
     assert family_of(nn.Linear(2, 2)) is None
-    _one_line(lambda: load_config(None, ["model.dim=60", "model.n_heads=8"]), "model.dim=60", "model.n_heads=8")
-    _one_line(lambda: load_config(None, ["train.seq_len=512"]), "train.seq_len=512", "max_seq_len=256")
+    raises_one_line(lambda: load_config(None, ["model.dim=60", "model.n_heads=8"]), "model.dim=60", "model.n_heads=8")
+    raises_one_line(lambda: load_config(None, ["train.seq_len=512"]), "train.seq_len=512", "max_seq_len=256")
 
 
 def test_validate_parallel():
     check = families()["gpt"].validate_parallel
     tiny = GPTConfig(dim=64, n_layers=2, n_heads=4)
     check(tiny, ParallelDims(tp=2, world_size=2).resolve())
-    _one_line(lambda: check(tiny, ParallelDims(tp=3, world_size=3).resolve()), "parallel.tp=3", "model.n_heads=4")
+    raises_one_line(lambda: check(tiny, ParallelDims(tp=3, world_size=3).resolve()), "parallel.tp=3", "model.n_heads=4")
     gqa = GPTConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2)
-    _one_line(lambda: check(gqa, ParallelDims(tp=4, world_size=4).resolve()), "parallel.tp=4", "kv heads")
-    _one_line(lambda: check(tiny, ParallelDims(pp=3, world_size=3).resolve()), "parallel.pp=3", "model.n_layers=2")
+    raises_one_line(lambda: check(gqa, ParallelDims(tp=4, world_size=4).resolve()), "parallel.tp=4", "kv heads")
+    raises_one_line(lambda: check(tiny, ParallelDims(pp=3, world_size=3).resolve()), "parallel.pp=3", "model.n_layers=2")
     tied = GPTConfig(dim=64, n_layers=2, n_heads=4, tie_embeddings=True)
-    _one_line(lambda: check(tied, ParallelDims(pp=2, world_size=2).resolve()), "tie_embeddings")
-    _one_line(
+    raises_one_line(lambda: check(tied, ParallelDims(pp=2, world_size=2).resolve()), "tie_embeddings")
+    raises_one_line(
         lambda: check(GPTConfig(vocab_size=255), ParallelDims(tp=2, world_size=2).resolve()), "model.vocab_size=255"
     )
-    _one_line(
+    raises_one_line(
         lambda: check_world(load_config(None, ["parallel.tp=4", "model.n_heads=2"]), 4),  # the launcher's
         "parallel.tp=4",
         "model.n_heads=2",
@@ -127,7 +118,7 @@ def test_flops_count_the_experts_a_token_uses():
 
 def test_hf_adapters_come_from_the_family():
     assert adapter_for("qwen2") is ADAPTERS["qwen2"] and families()["gpt"].hf_adapters is ADAPTERS
-    _one_line(lambda: adapter_for("gemma"), "model_type 'gemma'", "llama, mistral, qwen2")
+    raises_one_line(lambda: adapter_for("gemma"), "model_type 'gemma'", "llama, mistral, qwen2")
 
 
 # -- a plugin's own family, through the crosstrain_model_families hook ---------------------------------------------
@@ -192,7 +183,7 @@ def test_a_plugin_family_is_found_by_its_preset_and_counted_by_its_bundle():
         )  # its family's, not 6N
         assert "toy2" not in families()
         assert any("preset 'toy' belongs to family 'toy'" in e.error for e in pluginmanager.load_errors())
-        _one_line(
+        raises_one_line(
             lambda: check_world(load_config(None, ["model.preset=toy", "parallel.tp=2"]), 2),
             "the toy family does not shard",
         )
@@ -228,7 +219,7 @@ def test_scalar_head_on_a_tied_model_stays_a_scalar_head():
 
 
 def test_scalar_head_refuses_a_model_of_no_family():
-    _one_line(
+    raises_one_line(
         lambda: swap_scalar_head(nn.Linear(2, 2), "normal", who="--recipe rm"),
         "--recipe rm needs the built-in GPT",
         "Linear",

@@ -5,24 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from one_line import raises_one_line
 
 from crosstrain import kernels
-from crosstrain.errors import ConfigError
 from crosstrain.models.gpt import build_gpt
 from crosstrain.parallel import ParallelDims, build_mesh, dp_rank_and_size, parallelize
 from crosstrain.parallel.activation_checkpoint import parse_ac
 from crosstrain.parallel.pp import split_stage, stage_layers
 from crosstrain.parallel.state import clean_name
-
-
-def _one_line_error(fn, *words: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        fn()
-    text = str(info.value)
-    assert "\n" not in text and text
-    for word in words:
-        assert word in text, f"{word!r} not in {text!r}"
-    return text
 
 
 def test_resolve_fills_dp_shard():
@@ -35,23 +25,23 @@ def test_resolve_fills_dp_shard():
 
 
 def test_product_must_equal_world_size():
-    _one_line_error(lambda: ParallelDims(dp_shard=2, tp=2, world_size=2).resolve(),
+    raises_one_line(lambda: ParallelDims(dp_shard=2, tp=2, world_size=2).resolve(),
                     "parallel.dp_shard=2", "parallel.tp=2", "world size is 2")
-    _one_line_error(lambda: ParallelDims(tp=3, world_size=4).resolve(), "parallel.tp=3", "world size 4")
-    _one_line_error(lambda: ParallelDims(dp_replicate=2, dp_shard=1, world_size=4).resolve(), "parallel.dp_replicate")
+    raises_one_line(lambda: ParallelDims(tp=3, world_size=4).resolve(), "parallel.tp=3", "world size 4")
+    raises_one_line(lambda: ParallelDims(dp_replicate=2, dp_shard=1, world_size=4).resolve(), "parallel.dp_replicate")
 
 
 def test_bad_values():
-    _one_line_error(lambda: ParallelDims(ep=0, world_size=2).resolve(), "parallel.ep=0")
-    _one_line_error(lambda: ParallelDims(tp=0, world_size=2).resolve(), "parallel.tp=0")
-    _one_line_error(lambda: ParallelDims(dp_shard=0, world_size=2).resolve(), "parallel.dp_shard=0")
-    _one_line_error(lambda: ParallelDims(pp=-2, world_size=2).resolve(), "parallel.pp=-2")
+    raises_one_line(lambda: ParallelDims(ep=0, world_size=2).resolve(), "parallel.ep=0")
+    raises_one_line(lambda: ParallelDims(tp=0, world_size=2).resolve(), "parallel.tp=0")
+    raises_one_line(lambda: ParallelDims(dp_shard=0, world_size=2).resolve(), "parallel.dp_shard=0")
+    raises_one_line(lambda: ParallelDims(pp=-2, world_size=2).resolve(), "parallel.pp=-2")
 
 
 def test_parse_activation_checkpoint():
     assert parse_ac("none") == 0 and parse_ac("full") == 1 and parse_ac("every:3") == 3
     for bad in ("every:0", "every:x", "sometimes"):
-        _one_line_error(lambda b=bad: parse_ac(b), "none, full or every:N")
+        raises_one_line(lambda b=bad: parse_ac(b), "none, full or every:N")
 
 
 def test_stage_split_covers_every_layer_once():
@@ -83,15 +73,15 @@ def test_single_process_mesh_is_none():
 
 def test_parallelize_rejects_bad_options():
     dims = ParallelDims(world_size=1).resolve()
-    _one_line_error(lambda: parallelize(build_gpt("tiny"), dims, None, torch.device("cpu"), precision="fp8"),
+    raises_one_line(lambda: parallelize(build_gpt("tiny"), dims, None, torch.device("cpu"), precision="fp8"),
                     "precision.dtype='fp8'")
-    _one_line_error(lambda: parallelize(build_gpt("tiny"), dims, None, torch.device("cpu"), pp_schedule="zb"),
+    raises_one_line(lambda: parallelize(build_gpt("tiny"), dims, None, torch.device("cpu"), pp_schedule="zb"),
                     "parallel.pp_schedule='zb'")
-    _one_line_error(lambda: parallelize(build_gpt("tiny"), dims, None, torch.device("cpu"),
+    raises_one_line(lambda: parallelize(build_gpt("tiny"), dims, None, torch.device("cpu"),
                                         activation_checkpoint="every:0"), "every:N")
-    _one_line_error(lambda: parallelize(build_gpt("tiny"), ParallelDims(tp=2, world_size=2).resolve(), None,
+    raises_one_line(lambda: parallelize(build_gpt("tiny"), ParallelDims(tp=2, world_size=2).resolve(), None,
                                         torch.device("cpu"), compile=True), "parallel.compile", "parallel.tp")
-    _one_line_error(lambda: parallelize(torch.nn.Linear(4, 4), dims, None, torch.device("cpu"),
+    raises_one_line(lambda: parallelize(torch.nn.Linear(4, 4), dims, None, torch.device("cpu"),
                                         activation_checkpoint="full"), "model class Linear", "ac_units()")
 
 

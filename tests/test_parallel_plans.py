@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import shared_ranks
 import torch
+from one_line import raises_one_line
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -246,27 +247,18 @@ def test_frozen_model_forward_matches_unsharded(layout, tol, ranks):
 
 
 # -- single process ------------------------------------------------------------------------------------------
-def _one_line_error(fn: Any, *words: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        fn()
-    text = str(info.value)
-    assert "\n" not in text
-    for word in words:
-        assert word in text, f"{word!r} not in {text!r}"
-
-
 def test_layouts_without_a_plan_are_one_line_errors_naming_the_class():
     cpu = torch.device("cpu")
 
     def run(tp: int = 1, pp: int = 1, **kwargs: Any) -> Any:
         return parallelize(TinyLM(), ParallelDims(tp=tp, pp=pp, world_size=tp * pp).resolve(), None, cpu, **kwargs)
 
-    _one_line_error(lambda: run(tp=2), "parallel.tp=2 needs a tensor-parallel plan", "model class TinyLM",
+    raises_one_line(lambda: run(tp=2), "parallel.tp=2 needs a tensor-parallel plan", "model class TinyLM",
                     "TinyLM.tp_plan()", "crosstrain.parallel.register_parallel_plan(TinyLM, ...)", "parallel.tp=1")
-    _one_line_error(lambda: run(pp=2), "parallel.pp=2", "TinyLM.pipeline_split(pp, stage)", "parallel.pp=1")
-    _one_line_error(lambda: run(activation_checkpoint="every:2"), "'every:2'", "TinyLM.ac_units()")
-    _one_line_error(lambda: run(compile="aot_eager"), "parallel.compile", "TinyLM", "parallel.compile=false")
-    _one_line_error(lambda: parallelize(build_gpt("tiny"), ParallelDims(pp=2, world_size=2).resolve(), None, cpu,
+    raises_one_line(lambda: run(pp=2), "parallel.pp=2", "TinyLM.pipeline_split(pp, stage)", "parallel.pp=1")
+    raises_one_line(lambda: run(activation_checkpoint="every:2"), "'every:2'", "TinyLM.ac_units()")
+    raises_one_line(lambda: run(compile="aot_eager"), "parallel.compile", "TinyLM", "parallel.compile=false")
+    raises_one_line(lambda: parallelize(build_gpt("tiny"), ParallelDims(pp=2, world_size=2).resolve(), None, cpu,
                                         trainable=False), "frozen", "parallel.pp=1")
 
 
@@ -328,4 +320,4 @@ def test_frozen_single_process():
     assert not any(p.requires_grad for p in pm.parameters()) and not pm.train().module.training
     with torch.no_grad():
         torch.testing.assert_close(pm.module(x), _model("gpt")(x), rtol=0, atol=0)
-    _one_line_error(lambda: pm.forward_backward(x, y), "frozen", "trainable=True")
+    raises_one_line(lambda: pm.forward_backward(x, y), "frozen", "trainable=True")

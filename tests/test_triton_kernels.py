@@ -87,6 +87,14 @@ def _grads(fn, args, grad_idx, seed=5):
     return out.detach().float(), [leaves[i].grad.float() for i in grad_idx]
 
 
+def _lce_inputs(seed: int, rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states [rows, 16], an lm-head weight [vocab, 16] and targets for linear_cross_entropy."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, 16, generator=g)
+    w = torch.randn(vocab, 16, generator=g) * 0.3
+    return h, w, torch.randint(0, vocab, (rows,), generator=g)
+
+
 def _assert_same(fn, ref, args, grad_idx, dtype=torch.float32):
     atol, rtol = TOLERANCES[dtype]
     out, grads = _grads(fn, args, grad_idx)
@@ -141,10 +149,7 @@ def test_linear_cross_entropy_chunks_agree(chunk):
 
 
 def test_linear_cross_entropy_scales_by_upstream_grad_and_skips_grad_without_autograd():
-    g = torch.Generator().manual_seed(6)
-    h = torch.randn(7, 16, generator=g)
-    w = torch.randn(50, 16, generator=g) * 0.3
-    t = torch.randint(0, 50, (7,), generator=g)
+    h, w, t = _lce_inputs(6, 7, 50)
     fn = triton_op("linear_cross_entropy")
     _assert_same(lambda a, b: fn(a, b, t) * 3.5, lambda a, b: reference.linear_cross_entropy(a, b, t) * 3.5,
                  (h, w), (0, 1))
@@ -277,10 +282,7 @@ def test_every_kernel_compiles_for_sm90_and_gfx942(tmp_path):
 
 
 def test_linear_cross_entropy_grad_for_one_input_only():
-    g = torch.Generator().manual_seed(8)
-    h = torch.randn(6, 16, generator=g)
-    w = torch.randn(40, 16, generator=g) * 0.3
-    t = torch.randint(0, 40, (6,), generator=g)
+    h, w, t = _lce_inputs(8, 6, 40)
     fn = triton_op("linear_cross_entropy")
     for needs in ((True, False), (False, True)):
         a, b = h.clone().requires_grad_(needs[0]), w.clone().requires_grad_(needs[1])
@@ -294,10 +296,8 @@ def test_linear_cross_entropy_grad_for_one_input_only():
 
 
 def test_linear_cross_entropy_under_autocast_keeps_input_dtype():
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(5, 16, generator=g, requires_grad=True)
-    w = (torch.randn(30, 16, generator=g) * 0.3).requires_grad_()
-    t = torch.randint(0, 30, (5,), generator=g)
+    h, w, t = _lce_inputs(9, 5, 30)
+    h, w = h.requires_grad_(), w.requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = triton_op("linear_cross_entropy")(h, w, t)
     loss.backward()
