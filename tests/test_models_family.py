@@ -52,7 +52,9 @@ def test_validate_parallel():
     raises_one_line(lambda: check(tiny, ParallelDims(tp=3, world_size=3).resolve()), "parallel.tp=3", "model.n_heads=4")
     gqa = GPTConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2)
     raises_one_line(lambda: check(gqa, ParallelDims(tp=4, world_size=4).resolve()), "parallel.tp=4", "kv heads")
-    raises_one_line(lambda: check(tiny, ParallelDims(pp=3, world_size=3).resolve()), "parallel.pp=3", "model.n_layers=2")
+    raises_one_line(
+        lambda: check(tiny, ParallelDims(pp=3, world_size=3).resolve()), "parallel.pp=3", "model.n_layers=2"
+    )
     tied = GPTConfig(dim=64, n_layers=2, n_heads=4, tie_embeddings=True)
     raises_one_line(lambda: check(tied, ParallelDims(pp=2, world_size=2).resolve()), "tie_embeddings")
     raises_one_line(
