@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from crosstrain.errors import CheckpointError
+from crosstrain.parallel.local import local_tensor
 
 _NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "unexpected pos", "file too large")
 
@@ -34,7 +35,7 @@ def estimate_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """About the bytes this rank writes for ``tensors`` (a sharded tensor counts its local shard only)."""
     total = PER_CHECKPOINT_BYTES + PER_TENSOR_BYTES * len(tensors)
     for t in tensors.values():
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = local_tensor(t)
         total += local.numel() * local.element_size()
     return total
 

@@ -2,9 +2,9 @@
 step's closure.
 
 ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor to its parameter's dtype and
-device. Optimizers that hold fp32 master weights and moments for low-precision parameters (the fused CPU
-optimizers, :class:`~crosstrain.optim.offload.OffloadOptimizer`) call :func:`restore_fp32_state` afterwards
-to put back exact fp32 copies where they belong.
+device. The fused CPU optimizers, which hold fp32 master weights and moments for low-precision parameters,
+call :func:`restore_fp32_state` afterwards to put back exact fp32 copies where they belong;
+:func:`closure_loss` is shared with :class:`~crosstrain.optim.offload.OffloadOptimizer`.
 """
 
 from __future__ import annotations

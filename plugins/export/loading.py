@@ -17,6 +17,7 @@ from crosstrain.checkpoint.consolidate import load_consolidated
 from crosstrain.checkpoint.resolve import Resolved, resolve_path
 from crosstrain.errors import CheckpointError
 from crosstrain.models.gpt import GPT, PRESETS, GPTConfig
+from crosstrain.models.hf.pretrained import read_json_object
 from crosstrain.plugins.export.errors import ExportError
 
 #: Metadata keys written into ONNX ``metadata_props`` and safetensors headers.
@@ -96,7 +97,7 @@ def run_tokenizer(paths: list[Path], cfg: GPTConfig) -> dict[str, Any]:
     """The tokenizer of a run: ``data.tokenizer`` of the first run config among ``paths``, else the byte one."""
     for p in paths:
         if p.is_file():
-            data = _read_json(p)
+            data = read_json_object(p, ExportError)
             spec = (data.get("data") or {}).get("tokenizer") if isinstance(data.get("data"), dict) else None
             if spec:
                 from crosstrain.data.hf_tokenizer import describe_tokenizer
@@ -119,16 +120,6 @@ def load_hf_folder(folder: Path) -> LoadedModel:
 
         tokenizer = describe_tokenizer(str(folder))
     return LoadedModel(model, model.config, tokenizer, str(folder), extra={"hf_config": read_hf_config(folder)})
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot read model config {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ExportError(f"model config {path} is not a JSON object")
-    return data
 
 
 def build_model(cfg: GPTConfig, state: dict[str, torch.Tensor], source: str,
@@ -178,7 +169,7 @@ def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _config_near(paths: list[Path], where: str) -> GPTConfig:
     for p in paths:
         if p.is_file():
-            return gpt_config_from_dict(_read_json(p), str(p))
+            return gpt_config_from_dict(read_json_object(p, ExportError), str(p))
     raise ExportError(f"no model config found for {where} (looked for {', '.join(str(p) for p in paths)}); "
                       "put the run's config.json next to it")
 

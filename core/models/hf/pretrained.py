@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from crosstrain.errors import ConfigError
+from crosstrain.errors import ConfigError, CrosstrainError
 from crosstrain.models.gpt import GPT, GPTConfig
 from crosstrain.models.hf.adapter import adapter_for
 from crosstrain.models.hf.config import gpt_config_from_hf
@@ -39,12 +39,17 @@ def read_hf_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"model.init_from {str(folder)!r} has no config.json; point it at a Hugging Face model "
                           "folder (config.json + *.safetensors)")
+    return read_json_object(path)
+
+
+def read_json_object(path: str | os.PathLike[str], error: type[CrosstrainError] = ConfigError) -> dict[str, Any]:
+    """The JSON object in ``path``, or ``error`` with a one-line message when it is unreadable or not an object."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+        raise error(f"{path} is not valid JSON ({exc}); fix or regenerate it") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} is not a JSON object")
+        raise error(f"{path} is not a JSON object; fix or regenerate it")
     return data
 
 
