@@ -19,6 +19,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from crosstrain.parallel.local import local_tensor
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module that implements the cache protocol (DDP's ``.module``, torch.compile's ``_orig_mod``)."""
@@ -51,6 +53,5 @@ def gathered(model: nn.Module) -> Iterator[None]:
 def model_device(model: nn.Module) -> torch.device:
     """Where the model computes: its first parameter's (local shard's) device, else CPU."""
     for p in model.parameters():
-        local = getattr(p, "to_local", None)
-        return local().device if callable(local) else p.device
+        return local_tensor(p).device
     return torch.device("cpu")
