@@ -14,17 +14,19 @@ from crosstrain.config import Config
 from crosstrain.errors import CheckpointError, ConfigError
 
 
-def evaluate_checkpoint(config: Config, step_dir: Path) -> dict[str, Any]:
+def evaluate_checkpoint(config: Config, step_dir: Path, verified: bool = False) -> dict[str, Any]:
     """Evaluate ``step_dir``'s weights on ``config``'s validation data (all ranks call); returns the figures
-    (the same on every rank; ``rank`` says whose)."""
+    (the same on every rank; ``rank`` says whose). ``verified``: its checksums were just checked (the resolver
+    picked it among a run's checkpoints), so they are not read again."""
     from crosstrain.checkpoint.app_state import ModelOptimizerState
     from crosstrain.checkpoint.backend_storage import backend_checkpointer
     from crosstrain.checkpoint.verify import verify
     from crosstrain.engine.run import build_run
 
-    report = verify(step_dir)
-    if not report.ok:
-        raise CheckpointError(f"checkpoint {str(step_dir)!r} failed verification: {report.reason}")
+    if not verified:
+        report = verify(step_dir)
+        if not report.ok:
+            raise CheckpointError(f"checkpoint {str(step_dir)!r} failed verification: {report.reason}")
     run = build_run(config, for_eval=True)
     try:
         if run.eval is None:

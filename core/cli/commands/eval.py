@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_world(config, args.nproc)
         return launch(_worker_args(args), nproc=args.nproc)
-    result = evaluate_checkpoint(config, source.path)
+    result = evaluate_checkpoint(config, source.path, verified=source.verified)
     if result.pop("rank"):
         return 0  # every rank has the figures; rank 0 prints them
     if args.json:
