@@ -65,13 +65,15 @@ class FamilyExtension:
     """What a plugin that transforms a family's models changes in its estimates (MoE: experts).
 
     ``extra_params(cfg, config)``: parameters the transform adds to a model of config ``cfg`` in the run ``config``
-    (0 when the plugin is off); ``inactive_params(model)``: parameters of a built model a token does not use.
+    (0 when the plugin is off); ``inactive_params(model)``: parameters of a built model a token does not use;
+    ``hf_adapters``: HF ``model_type`` -> adapter of the checkpoints the transformed models import and export.
     """
 
     name: str
     family: str
     extra_params: Callable[[Any, Any], int]
     inactive_params: Callable[[nn.Module], int]
+    hf_adapters: Mapping[str, StateDictAdapter] = field(default_factory=dict)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}  # registered in-process with register_family
@@ -204,10 +206,13 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float | None:
 
 
 def hf_adapter(model_type: str) -> StateDictAdapter:
-    """The state-dict adapter of a Hugging Face ``model_type``, from whichever family registered it."""
+    """The state-dict adapter of a Hugging Face ``model_type``, from whichever family or extension registered it."""
     known: dict[str, StateDictAdapter] = {}
-    for fam in families().values():
+    found, exts = _collect()
+    for fam in found.values():
         known.update(fam.hf_adapters)
+    for ext in exts:
+        known.update(ext.hf_adapters)
     if model_type not in known:
         raise ConfigError(
             f"Hugging Face model_type {model_type!r} has no state-dict adapter; supported: {', '.join(known)}"

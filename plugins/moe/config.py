@@ -22,6 +22,11 @@ class MoESection(BaseModel):
                                    "ceil(tokens * top_k / experts * capacity_factor) per expert")
     drop_policy: Literal["probs", "position"] = "probs"
     router: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: Literal["auto", "always", "never"] = Field(
+        default="auto", description="divide the top-k weights by their sum: auto = when top_k > 1; always = "
+        "Mixtral's router (also for top_k = 1); never = Qwen3-MoE with norm_topk_prob = false")
+    dense_layers: list[int] = Field(default_factory=list, description="blocks that stay dense whatever `every` "
+                                    "says (Qwen3-MoE's mlp_only_layers)")
     jitter: float = Field(default=0.0, ge=0, lt=1, description="multiplicative router-input noise in training")
     aux_loss: Literal["micro_batch", "sequence", "global", "none"] = Field(
         default="global", description="Switch balance-loss scope; global (expert counts over all ranks) gives "

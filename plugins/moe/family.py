@@ -1,6 +1,7 @@
 """The MoE plugin's contribution to the ``gpt`` model family (:mod:`crosstrain.models.family`): the parameters its
 experts add (the memory estimate behind ``parallel.layout = "auto"``) and the ones a token does not use (MFU counts
-a token's ``top_k`` routed experts, not all of them)."""
+a token's ``top_k`` routed experts, not all of them), and the Hugging Face adapters of the MoE checkpoints its layers
+import and export (Mixtral, Qwen3-MoE: :mod:`.hf_adapter`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def extra_params(cfg: Any, config: Any) -> int:
         hidden = expert_hidden(cfg.hidden_dim, sec.top_k, sec.shared_experts, sec.expert_dim)
     dim = cfg.dim
     per_layer = sec.experts * dim + 3 * dim * hidden * (sec.experts + sec.shared_experts) - 3 * dim * cfg.hidden_dim
-    return per_layer * sum(is_moe_block(i, sec.every) for i in range(cfg.n_layers))
+    return per_layer * sum(is_moe_block(i, sec.every, sec.dense_layers) for i in range(cfg.n_layers))
 
 
 def inactive_params(model: nn.Module) -> int:
@@ -41,4 +42,11 @@ def inactive_params(model: nn.Module) -> int:
     return skipped
 
 
-MOE_EXTENSION = FamilyExtension(name="moe", family="gpt", extra_params=extra_params, inactive_params=inactive_params)
+def _extension() -> FamilyExtension:
+    from crosstrain.plugins.moe.hf_adapter import ADAPTERS
+
+    return FamilyExtension(name="moe", family="gpt", extra_params=extra_params, inactive_params=inactive_params,
+                           hf_adapters=ADAPTERS)
+
+
+MOE_EXTENSION = _extension()

@@ -91,7 +91,7 @@ class MoELayer(nn.Module):
         route_in = router.jitter(flat.float(), cfg.jitter) if (self.training and cfg.jitter) else flat.float()
         logits = route_in @ self.router.weight.float().t()
         scores = router.router_scores(logits, cfg.router)
-        ids, weights = router.top_k(scores, k, self.expert_bias if cfg.bias_update_rate else None)
+        ids, weights = router.top_k(scores, k, self.expert_bias if cfg.bias_update_rate else None, cfg.renormalize)
         if torch.compiler.is_exporting():  # ONNX / torch.export: no data-dependent shapes
             return self._export_forward(flat, ids, weights).reshape(shape).to(x.dtype)
         probs = router.routing_distribution(scores, cfg.router)

@@ -21,18 +21,38 @@ def routing_distribution(scores: torch.Tensor, kind: str) -> torch.Tensor:
     return scores if kind == "softmax" else scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
 
 
-def top_k(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def renormalizes(k: int, renormalize: str = "auto") -> bool:
+    """Whether the ``k`` chosen weights are divided by their sum: ``"auto"`` when ``k > 1`` (Switch's top-1 keeps
+    the raw probability), ``"always"`` (transformers' Mixtral router, even for ``k = 1``), ``"never"`` (Qwen3-MoE
+    with ``norm_topk_prob = false``)."""
+    if renormalize not in ("auto", "always", "never"):
+        raise ValueError(f"moe.renormalize={renormalize!r} is not allowed; use auto, always or never")
+    return renormalize == "always" or (renormalize == "auto" and k > 1)
+
+
+def top_k(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
+          renormalize: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``(expert ids [N, k], weights [N, k])``: the ``k`` best experts of each row of ``scores [N, E]``.
 
     ``bias`` (aux-loss-free balancing, DeepSeek-V3 eq. 16) shifts the *choice* only; the weights are the
-    unbiased scores of the chosen experts, renormalised to sum to 1 when ``k > 1`` (Mixtral, DeepSeek-V3).
+    unbiased scores of the chosen experts, divided by their sum when :func:`renormalizes` says so. For softmax
+    scores, renormalising is ``softmax`` over the chosen logits (:func:`top_k_softmax`, Mixtral's formulation).
     """
     choice = scores if bias is None else scores + bias.to(scores.dtype)
     ids = torch.topk(choice, k, dim=-1).indices
     weights = scores.gather(-1, ids)
-    if k > 1:
+    if renormalizes(k, renormalize):
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return ids, weights
+
+
+def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k first, then softmax over the ``k`` chosen logits (Mixtral, Jiang et al. 2024 eq. 2:
+    ``G(x) = softmax(TopK(x W_g))``). Equal to softmax over all experts, top-k and renormalisation (transformers'
+    ``MixtralTopKRouter``): ``exp(l_i) / sum_{j in topk} exp(l_j)`` either way, since the softmax is monotone and
+    its normaliser cancels."""
+    top = torch.topk(logits.float(), k, dim=-1)
+    return top.indices, torch.softmax(top.values, dim=-1)
 
 
 def jitter(x: torch.Tensor, eps: float) -> torch.Tensor:

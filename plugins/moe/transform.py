@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -13,10 +14,11 @@ from crosstrain.plugins.moe.experts import expert_hidden
 from crosstrain.plugins.moe.layer import MoELayer
 
 
-def is_moe_block(index: int, every: int) -> bool:
-    """Block ``index`` (0-based) becomes an MoE layer when ``(index + 1) % every == 0``: every block for
-    ``every=1``, the second, fourth, ... for ``every=2`` (Switch/GShard's every other FFN)."""
-    return (index + 1) % every == 0
+def is_moe_block(index: int, every: int, dense: Collection[int] = ()) -> bool:
+    """Block ``index`` (0-based) becomes an MoE layer when ``(index + 1) % every == 0`` and it is not in ``dense``:
+    every block for ``every=1``, the second, fourth, ... for ``every=2`` (Switch/GShard's every other FFN);
+    transformers' Qwen3-MoE decoder layer applies the same test (``decoder_sparse_step``, ``mlp_only_layers``)."""
+    return (index + 1) % every == 0 and index not in dense
 
 
 def to_moe(model: nn.Module, cfg: MoESection, seed: int = 0, hidden: int = 0) -> nn.Module:
@@ -39,7 +41,7 @@ def to_moe(model: nn.Module, cfg: MoESection, seed: int = 0, hidden: int = 0) ->
     std, out_std = 0.02, 0.02 / math.sqrt(2 * gpt.n_layers)
     for key, block in layers.items():
         index = int(key)
-        if not is_moe_block(index, cfg.every) or isinstance(block.feed_forward, MoELayer):
+        if not is_moe_block(index, cfg.every, cfg.dense_layers) or isinstance(block.feed_forward, MoELayer):
             continue
         layer = MoELayer(gpt.dim, hidden, cfg, layer=f"layers.{key}.feed_forward", layer_id=index)
         layer.init_weights(std, out_std, torch.Generator().manual_seed(seed + index))

@@ -17,7 +17,7 @@ import torch
 
 from crosstrain.errors import ConfigError, CrosstrainError
 from crosstrain.models.gpt import GPT, GPTConfig
-from crosstrain.models.hf.adapter import adapter_for
+from crosstrain.models.hf.adapter import adapter_for, find_adapter
 from crosstrain.models.hf.config import gpt_config_from_hf
 from crosstrain.models.hf.weights import iter_tensors
 
@@ -55,35 +55,45 @@ def read_json_object(path: str | os.PathLike[str], error: type[CrosstrainError] 
 
 def pretrained_config(folder: str | os.PathLike[str], **overrides: Any) -> GPTConfig:
     """The GPTConfig of an HF folder, with ``overrides`` (e.g. a shorter ``max_seq_len``) applied."""
-    cfg = gpt_config_from_hf(read_hf_config(folder), str(Path(folder) / "config.json"))
+    hf = read_hf_config(folder)
+    adapter = find_adapter(hf.get("model_type"))  # a plugin's model_type (Mixtral) brings its own reader
+    read = adapter.gpt_config if adapter is not None else gpt_config_from_hf
+    cfg = read(hf, str(Path(folder) / "config.json"))
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 @torch.no_grad()
 def load_hf_weights(model: GPT, folder: str | os.PathLike[str]) -> None:
-    """Copy the HF folder's weights into ``model`` (converted to the parameters' dtype), checking every name."""
-    adapter = adapter_for(str(read_hf_config(folder)["model_type"]))
+    """Copy the HF folder's weights into ``model`` (converted to the parameters' dtype), checking every name.
+
+    The adapter first puts its modules into the GPT (:meth:`StateDictAdapter.prepare`, e.g. MoE layers); a
+    parameter filled slice by slice (one expert of a stacked weight per HF tensor) counts as found once every
+    element was copied. Buffers the HF model has no counterpart for (an MoE expert bias) keep their values."""
+    hf = read_hf_config(folder)
+    adapter = adapter_for(str(hf["model_type"]))
+    adapter.prepare(model, hf)
     params = model.state_dict(keep_vars=True)
-    seen: set[str] = set()
+    filled: dict[str, int] = {}
     for hf_name, tensor in iter_tensors(folder):
         try:
-            name = adapter.from_hf(hf_name)
+            places = adapter.import_tensor(hf_name, tensor)
         except KeyError as exc:
             raise ConfigError(f"{folder}: {exc.args[0]}; only {adapter.family} checkpoints without extra modules "
                               "can be imported") from None
-        if name is None:
-            continue
-        if name not in params:
-            raise ConfigError(f"{folder}: weight {hf_name!r} has no place in the GPT built from its config.json "
-                              f"({name!r}); the config and the weights disagree")
-        target = params[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ConfigError(f"{folder}: {hf_name} has shape {tuple(tensor.shape)}, but config.json gives "
-                              f"{tuple(target.shape)}")
-        target.copy_(tensor)
-        seen.add(name)
+        for name, index, value in places:
+            if name not in params:
+                raise ConfigError(f"{folder}: weight {hf_name!r} has no place in the GPT built from its config.json "
+                                  f"({name!r}); the config and the weights disagree")
+            target = params[name] if index is None else params[name][index]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ConfigError(f"{folder}: {hf_name} has shape {tuple(value.shape)}, but config.json gives "
+                                  f"{tuple(target.shape)}")
+            target.copy_(value)
+            filled[name] = filled.get(name, 0) + value.numel()
+    seen = {name for name, count in filled.items() if count >= params[name].numel()}
     tied = {"output.weight"} if model.config.tie_embeddings else set()
-    missing = sorted(set(params) - seen - tied)
+    weights = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted((set(params) & weights) - seen - tied)
     if missing:
         raise ConfigError(f"{folder} lacks {adapter.to_hf(missing[0])!r} ({len(missing)} GPT weights missing); "
                           "the checkpoint is incomplete")
