@@ -150,7 +150,8 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
               dtype: str = "float32", best: bool = False) -> dict[str, Any]:
     """Export ``source`` (with ``best``: a run's best checkpoint) as a Hugging Face folder ``out``; returns a
     report (files, shards, bytes, model_type)."""
-    from crosstrain.models.hf import adapter_for, hf_config_from_gpt, parse_size, plan_shards, write_weights
+    from crosstrain.models.hf import adapter_for, parse_size, plan_shards, write_weights
+    from crosstrain.models.hf.adapter import find_adapter
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
@@ -159,15 +160,23 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
         raise ExportError(f"--out {out_path} is the source folder; export into another folder")
     src = open_source(source, best=best)
     cfg, torch_dtype = src.config, DTYPES[dtype]
-    hf_config = hf_config_from_gpt(cfg, base=src.base_config, dtype=dtype, eos_id=src.tokenizer.get("eos_id"))
+    # the config of the model_type it was imported from (a plugin's, e.g. Mixtral, writes its own), else Llama's
+    base = find_adapter((src.base_config or {}).get("model_type")) or adapter_for("llama")
+    hf_config = base.hf_config(cfg, base=src.base_config, dtype=dtype, eos_id=src.tokenizer.get("eos_id"),
+                               shapes=src.shapes)
     adapter = adapter_for(hf_config["model_type"])
-    order = [n for n in _expected(cfg) if n in src.shapes and not (cfg.tie_embeddings and n == "output.weight")]
+    expected = _expected(cfg)  # then what plugins' modules added (MoE experts), in the source's order
+    order = [n for n in [*expected, *(n for n in src.shapes if n not in expected)]
+             if n in src.shapes and not (cfg.tie_embeddings and n == "output.weight")]
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
     sizes = [(n, itemsize * int(torch.Size(src.shapes[n]).numel())) for n in order]
     shards = plan_shards(sizes, parse_size(max_shard_size))
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:
-        return {adapter.to_hf(n): t.to(torch_dtype) for n, t in src.load(names).items()}
+        out: dict[str, torch.Tensor] = {}
+        for n, t in src.load(names).items():
+            out.update(adapter.export_tensor(n, t.to(torch_dtype)))
+        return out
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")

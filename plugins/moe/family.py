@@ -16,9 +16,10 @@ def extra_params(cfg: Any, config: Any) -> int:
     """Parameters ``to_moe`` adds to a GPT of config ``cfg``: per MoE block, the router ``[E, dim]``, ``E`` routed
     SwiGLU experts and the shared experts, less the dense MLP they replace (0 when ``moe.experts = 0``)."""
     from crosstrain.plugins.moe.experts import expert_hidden
+    from crosstrain.plugins.moe.imported import effective_section
     from crosstrain.plugins.moe.transform import is_moe_block
 
-    sec = config.plugins.get("moe")
+    sec = effective_section(config) if "moe" in config.plugins else None
     if sec is None or not sec.experts:
         return 0
     if sec.upcycle_from:  # upcycled experts keep the dense hidden size (plugins/moe/setup.py)

@@ -8,7 +8,9 @@ from crosstrain.config.rules import Rule
 
 
 def _experts(config: Any) -> int:
-    return int(config.section("moe").experts)
+    from crosstrain.plugins.moe.imported import effective_section
+
+    return int(effective_section(config).experts)
 
 
 RULES = (
