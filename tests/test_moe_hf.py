@@ -128,7 +128,7 @@ def test_logits_and_greedy_tokens_match_transformers(
         layers = moe_layers(model)
         assert layers and all(layer.cfg.capacity_factor == 0 for layer in layers)
         seen: list[torch.Tensor] = []
-        hook = layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].reshape(-1, 64)))
+        hook = layers[0].register_forward_pre_hook(lambda _m, args, seen=seen: seen.append(args[0].reshape(-1, 64)))
         assert torch.allclose(_logits(model, ids), _logits(ref, ids), atol=1e-5, rtol=0), family
         hook.remove()
         picked = torch.topk(seen[0] @ layers[0].router.weight.t(), layers[0].cfg.top_k).indices
@@ -165,3 +165,58 @@ def test_round_trip_hf_crosstrain_hf_is_bit_exact(hf_dirs: dict[str, Path], tmp_
         ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[family]).eval()
         back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
         assert torch.equal(_logits(back, ids), _logits(ref, ids)), family
+
+
+def test_training_from_init_from_lowers_the_loss_and_exports(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """12 steps from the Mixtral folder: the balance loss on with router_aux_loss_coef, no z-loss (the checkpoint
+    has none), the loss falls, and the trained run exports to a folder transformers loads with the same logits."""
+    from crosstrain.engine import Trainer
+    from crosstrain.plugins.export.loading import load_model
+    from crosstrain.plugins.moe.transform import moe_layers
+
+    run = tmp_path / "run"
+    cfg = load_config(None, [f"model.init_from={hf_dirs['mixtral']}", "train.steps=12", "train.batch_size=4",
+                             "train.seq_len=32", "logging.progress=none", "schedule.warmup_steps=0", "eval.every=0",
+                             "model.max_seq_len=64"])
+    trainer = Trainer(cfg, run_dir=run)
+    trainer.fit()
+    layers = moe_layers(trainer.context.models["model"])
+    assert len(layers) == 2 and {(x.cfg.aux_loss_coeff, x.cfg.z_loss_coeff, x.cfg.top_k) for x in layers} == {
+        (0.02, 0.0, 2)}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3]) - 0.3, losses
+    assert all(r["aux/moe_load_balance"] > 0 and "aux/moe_z_loss" not in r for r in rows)
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "mixtral"
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(2))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.allclose(_logits(hf, ids), _logits(load_model(run).model, ids), atol=1e-5, rtol=0)
+
+
+def test_refusals_are_one_line(hf_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What would change the imported model's function is refused before any worker starts, in one line."""
+    import shutil
+
+    from crosstrain.config.loader import check_world
+
+    init = f"model.init_from={hf_dirs['mixtral']}"
+    for extra, words in ((["moe.capacity_factor=1.25"], "moe.capacity_factor=1.25 would drop tokens"),
+                         (["moe.experts=8"], "moe.experts=8 contradicts"),
+                         (["moe.renormalize=never"], "moe.renormalize='never' contradicts")):
+        with pytest.raises(ConfigError, match=words):
+            check_world(load_config(None, [init, *extra]), 1)
+    assert main(["train", "--set", init, "--set", "moe.capacity_factor=1.25"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "moe.capacity_factor=1.25" in err and len(err.splitlines()) == 1
+    for changes, words in (({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+                           ({"sliding_window": 16}, "sliding_window=16"),
+                           ({"hidden_act": "gelu"}, "hidden_act='gelu'")):
+        folder = tmp_path / "m"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(hf_dirs["mixtral"], folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, [f"model.init_from={folder}"])

@@ -48,11 +48,14 @@ def _expected(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
 
 
-def _checked(cfg: GPTConfig, shapes: dict[str, tuple[int, ...]], source: str) -> GPTConfig:
+def _checked(cfg: GPTConfig, shapes: dict[str, tuple[int, ...]], source: str,
+             model: torch.nn.Module | None = None) -> GPTConfig:
+    """``cfg`` (vocabulary from the embedding) once ``shapes`` are those of the GPT it builds, or of ``model`` (the
+    GPT with what plugins' transforms added, e.g. MoE experts)."""
     emb = shapes.get("tok_embeddings.weight")
     if emb is not None and emb[0] != cfg.vocab_size and emb[1] == cfg.dim:
         cfg = dataclasses.replace(cfg, vocab_size=emb[0])  # vocabulary set by the data pipeline
-    expected = _expected(cfg)
+    expected = _expected(cfg) if model is None else {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(shapes) - ({"output.weight"} if cfg.tie_embeddings else set()))
     unexpected = sorted(set(shapes) - set(expected))
     if missing or unexpected:
@@ -96,8 +99,8 @@ def _checkpoint_source(source: Resolved) -> WeightSource:
         loaded = load_checkpoint_dir(source)
         state = loaded.model.state_dict()
         shapes = {k: tuple(v.shape) for k, v in state.items()}
-        return WeightSource(_checked(loaded.config, shapes, str(ckpt)), loaded.tokenizer, loaded.source, shapes,
-                            lambda names: {n: state[n] for n in names}, base)
+        return WeightSource(_checked(loaded.config, shapes, str(ckpt), loaded.model), loaded.tokenizer,
+                            loaded.source, shapes, lambda names: {n: state[n] for n in names}, base)
     cfg = _checked(cfg, shapes, str(ckpt))
     return WeightSource(cfg, run_tokenizer(candidates, cfg), str(ckpt), shapes, tensors.load, base)
 

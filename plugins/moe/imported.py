@@ -2,9 +2,9 @@
 Qwen3-MoE folder, the checkpoint's architecture (its ``config.json``) with the run's training choices.
 
 The architecture keys (experts, top_k, blocks, expert size, router) come from the checkpoint; setting one of them
-to another value is a one-line error, and so is a capacity factor (transformers drops no token, so a capacity
-would change what the imported model computes). The balance-loss coefficient is ``router_aux_loss_coef`` and the
-z-loss is off unless the run sets them.
+to another non-default value is a one-line error, and so is a capacity factor (transformers drops no token, so a
+capacity would change what the imported model computes). The balance-loss coefficient is ``router_aux_loss_coef``
+and the z-loss is off unless the run sets them to non-default values.
 """
 
 from __future__ import annotations
@@ -39,9 +39,12 @@ def effective_section(config: Any) -> MoESection:
     if fields is None:
         return sec
     where = f"model.init_from={config.model.init_from}"
-    given = sec.model_fields_set
+    # a key left at its default follows the checkpoint (a saved run config spells every default out, so "set" cannot
+    # mean "written"); any other value is the run's: a training choice, or a contradiction of the architecture
+    default = MoESection()
+    changed = {k for k in type(sec).model_fields if getattr(sec, k) != getattr(default, k)}
     for key in ARCHITECTURE:
-        if key in given and getattr(sec, key) != fields[key]:
+        if key in changed and getattr(sec, key) != fields[key]:
             raise ConfigError(f"moe.{key}={getattr(sec, key)!r} contradicts {where} (its config.json gives "
                               f"{fields[key]!r}); remove moe.{key}")
     if sec.capacity_factor > 0:
@@ -50,6 +53,5 @@ def effective_section(config: Any) -> MoESection:
     if sec.upcycle_from:
         raise ConfigError(f"moe.upcycle_from cannot be combined with {where}, which already has its experts; "
                           "remove moe.upcycle_from")
-    keep = {k: getattr(sec, k) for k in ("aux_loss_coeff", "z_loss_coeff") if k in given}
-    taken = {k: fields[k] for k in (*ARCHITECTURE, "aux_loss_coeff", "z_loss_coeff")}
-    return MoESection(**{**sec.model_dump(), **taken, **keep})
+    taken = {k: fields[k] for k in (*ARCHITECTURE, "aux_loss_coeff", "z_loss_coeff") if k not in changed}
+    return MoESection(**{**sec.model_dump(), **taken})
