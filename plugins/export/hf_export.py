@@ -164,22 +164,22 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     src = open_source(source, best=best)
     cfg, torch_dtype = src.config, DTYPES[dtype]
     # the config of the model_type it was imported from (a plugin's, e.g. Mixtral, writes its own), else Llama's
-    base = find_adapter((src.base_config or {}).get("model_type")) or adapter_for("llama")
-    hf_config = base.hf_config(cfg, base=src.base_config, dtype=dtype, eos_id=src.tokenizer.get("eos_id"),
-                               shapes=src.shapes)
+    origin = find_adapter((src.base_config or {}).get("model_type")) or adapter_for("llama")
+    hf_config = origin.hf_config(cfg, base=src.base_config, dtype=dtype, eos_id=src.tokenizer.get("eos_id"),
+                                 shapes=src.shapes)
     adapter = adapter_for(hf_config["model_type"])
     expected = _expected(cfg)  # then what plugins' modules added (MoE experts), in the source's order
     order = [n for n in [*expected, *(n for n in src.shapes if n not in expected)]
              if n in src.shapes and not (cfg.tie_embeddings and n == "output.weight")]
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
-    sizes = [(n, itemsize * int(torch.Size(src.shapes[n]).numel())) for n in order]
+    # one unit per HF tensor (a fused one, e.g. Phi-3's qkv_proj, gathers its crosstrain members)
+    groups = {adapter.to_hf(g[0]): g for g in adapter.export_groups(order)}
+    sizes = [(h, itemsize * sum(int(torch.Size(src.shapes[n]).numel()) for n in g)) for h, g in groups.items()]
     shards = plan_shards(sizes, parse_size(max_shard_size))
 
-    def load(names: list[str]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for n, t in src.load(names).items():
-            out.update(adapter.export_tensor(n, t.to(torch_dtype)))
-        return out
+    def load(hf_names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = src.load([n for h in hf_names for n in groups[h]])
+        return {h: t.to(torch_dtype) for h, t in adapter.to_hf_tensors(tensors).items()}
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")

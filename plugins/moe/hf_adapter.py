@@ -13,6 +13,7 @@ dim]`` / ``[dim, hidden]`` nn.Linear weights, and the router ``...gate.weight [E
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +59,16 @@ class MoEAdapter(StateDictAdapter):
         block = f"model.layers.{m.group(1)}.{_BLOCK[self.family]}"
         if m.group(2) == "router.weight":
             return f"{block}.gate.weight"
-        if m.group(2) == "expert_bias":
-            raise KeyError(f"{name!r} has no {self.family} equivalent")
-        proj = {ours: theirs for theirs, ours in _PROJ[self.family].items()}[m.group(2).split(".")[1]]
-        return f"{block}.experts.0.{proj}.weight"  # the first of the per-expert tensors (named in errors)
+        if m.group(2) == "expert_bias":  # no HF tensor (see to_hf_tensors): a name for export's grouping only
+            return f"{block}.expert_bias"
+        return f"{block}.experts.0.{self._proj(m.group(2))}.weight"  # the first of the per-expert tensors
 
-    def import_tensor(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, Any, torch.Tensor]]:
+    def _proj(self, weight: str) -> str:
+        """The HF projection of ``experts.w1|w3|w2``."""
+        return {ours: theirs for theirs, ours in _PROJ[self.family].items()}[weight.split(".")[1]]
+
+    def import_tensor(self, hf_name: str, tensor: torch.Tensor,
+                      shapes: Mapping[str, Sequence[int]]) -> list[tuple[str, Any, torch.Tensor]]:
         prefix = "layers.{}.feed_forward"
         m = _HF_EXPERT.match(hf_name)
         if m:
@@ -81,22 +86,27 @@ class MoEAdapter(StateDictAdapter):
         m = _HF_ROUTER.match(hf_name)
         if m:
             return [(f"{prefix.format(m.group(1))}.router.weight", None, tensor)]
-        return super().import_tensor(hf_name, tensor)
+        return super().import_tensor(hf_name, tensor, shapes)
 
-    def export_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        m = _CT_MOE.match(name)
-        if m is None:
-            return super().export_tensor(name, tensor)
-        if m.group(2) == "expert_bias":  # aux-loss-free balancing's bias: the HF routers have none
-            if torch.count_nonzero(tensor):
-                raise ConfigError(f"{name} is not zero (moe.bias_update_rate moved it), and {self.family} routers "
-                                  "have no expert bias; export a run trained with moe.bias_update_rate=0")
-            return {}
-        if m.group(2) == "router.weight":
-            return {self.to_hf(name): tensor}
-        block = f"model.layers.{m.group(1)}.{_BLOCK[self.family]}.experts"
-        proj = {ours: theirs for theirs, ours in _PROJ[self.family].items()}[m.group(2).split(".")[1]]
-        return {f"{block}.{e}.{proj}.weight": tensor[e].t().contiguous() for e in range(tensor.shape[0])}
+    def to_hf_tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stacked experts as ``E`` per-expert tensors, the router as ``gate``; the expert bias must be zero."""
+        out: dict[str, torch.Tensor] = {}
+        rest = {}
+        for name, tensor in tensors.items():
+            m = _CT_MOE.match(name)
+            if m is None:
+                rest[name] = tensor
+            elif m.group(2) == "expert_bias":  # aux-loss-free balancing's bias: the HF routers have none
+                if torch.count_nonzero(tensor):
+                    raise ConfigError(f"{name} is not zero (moe.bias_update_rate moved it), and {self.family} "
+                                      "routers have no expert bias; export a run trained with moe.bias_update_rate=0")
+            elif m.group(2) == "router.weight":
+                out[self.to_hf(name)] = tensor
+            else:
+                block = f"model.layers.{m.group(1)}.{_BLOCK[self.family]}.experts"
+                proj = self._proj(m.group(2))
+                out.update({f"{block}.{e}.{proj}.weight": tensor[e].t().contiguous() for e in range(tensor.shape[0])})
+        return {**super().to_hf_tensors(rest), **out} if rest else out
 
     def hf_config(self, cfg: GPTConfig, *, base: dict[str, Any] | None, dtype: str, eos_id: int | None,
                   shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:

@@ -74,19 +74,20 @@ def load_hf_weights(model: GPT, folder: str | os.PathLike[str]) -> None:
     adapter.prepare(model, hf)
     params = model.state_dict(keep_vars=True)
     filled: dict[str, int] = {}
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
     for hf_name, tensor in iter_tensors(folder):
         try:
-            places = adapter.import_tensor(hf_name, tensor)
+            places = adapter.import_tensor(hf_name, tensor, shapes)
         except KeyError as exc:
             raise ConfigError(f"{folder}: {exc.args[0]}; only {adapter.family} checkpoints without extra modules "
                               "can be imported") from None
-        for name, index, value in places:
+        for name, index, value in places:  # several for a fused tensor (Phi-3's qkv_proj), none for a skipped key
             if name not in params:
                 raise ConfigError(f"{folder}: weight {hf_name!r} has no place in the GPT built from its config.json "
                                   f"({name!r}); the config and the weights disagree")
             target = params[name] if index is None else params[name][index]
             if tuple(value.shape) != tuple(target.shape):
-                raise ConfigError(f"{folder}: {hf_name} has shape {tuple(value.shape)}, but config.json gives "
+                raise ConfigError(f"{folder}: {hf_name} has shape {tuple(tensor.shape)}, but config.json gives "
                                   f"{tuple(target.shape)}")
             target.copy_(value)
             filled[name] = filled.get(name, 0) + value.numel()
