@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import shared_ranks
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -220,3 +221,74 @@ def test_refusals_are_one_line(hf_dirs: dict[str, Path], tmp_path: Path, capsys:
         (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
         with pytest.raises(ConfigError, match=words):
             load_config(None, [f"model.init_from={folder}"])
+
+
+LAYOUTS = {"dp_shard=2": {"dp_shard": 2}, "dp_shard=2,ep=2": {"dp_shard": 2, "ep": 2}}
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, SHAPE["vocab_size"], (4, 17), generator=torch.Generator().manual_seed(5))
+
+
+def _step(module: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and the training loss: cross-entropy + the balance loss (global scope, router_aux_loss_coef)."""
+    from crosstrain.engine.aux_loss import collect_aux_losses
+    from crosstrain.parallel import next_token_loss
+
+    with collect_aux_losses() as aux:
+        logits = module(tokens[:, :-1])
+    assert set(aux) == {"moe_load_balance"}
+    return logits, next_token_loss(logits, tokens[:, 1:]) + sum(aux.values())
+
+
+def _ranks(collective: Any, folders: dict[str, str]) -> dict[str, Any]:
+    """Each family under each layout on this rank's half of the batch: logits, loss, full gradients, grad norm."""
+    from torch.distributed.tensor import DTensor
+
+    from crosstrain.models.hf import load_pretrained
+    from crosstrain.parallel import ParallelDims, build_mesh, parallelize
+    from crosstrain.parallel.state import clean_name
+    from crosstrain.plugins.moe.transform import moe_layers
+
+    got: dict[str, Any] = {}
+    half = _batch()[2 * collective.rank: 2 * collective.rank + 2]
+    for family, folder in folders.items():
+        for layout, dims_kw in LAYOUTS.items():
+            dims = ParallelDims(**dims_kw, world_size=2).resolve()
+            pm = parallelize(load_pretrained(folder), dims, build_mesh(collective, dims), torch.device("cpu"))
+            pm.module.train()
+            with pm.micro_batch(), registry.use_reference():
+                logits, loss = _step(pm.module, half)
+                loss.backward()
+            grads = {clean_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).numpy()
+                     for n, p in pm.module.named_parameters()}
+            experts = moe_layers(pm.module)[0].experts
+            got[f"{family}/{layout}"] = {"logits": logits.detach().numpy(), "loss": float(loss), "grads": grads,
+                                         "norm": float(pm.grad_norm()), "ep_size": experts.ep_size}
+    return got
+
+
+def test_two_ranks_match_one_process(hf_dirs: dict[str, Path]) -> None:
+    """dp_shard=2 and dp_shard=2 x ep=2 (experts split over the ranks) against one process on the whole batch: the
+    mean of the ranks' losses (cross-entropy + global balance loss) and every gradient within 1e-5."""
+    from crosstrain.models.hf import load_pretrained
+
+    per_rank = shared_ranks.run(_ranks, {f: str(hf_dirs[f]) for f in FAMILIES}, timeout=300)
+    tokens = _batch()
+    for family in FAMILIES:
+        model = load_pretrained(hf_dirs[family]).train()
+        with registry.use_reference():
+            logits, loss = _step(model, tokens)
+            loss.backward()
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+        for layout in LAYOUTS:
+            got = [r[f"{family}/{layout}"] for r in per_rank]
+            assert [g["ep_size"] for g in got] == [LAYOUTS[layout].get("ep", 1)] * 2  # experts really split
+            for rank in range(2):
+                torch.testing.assert_close(torch.from_numpy(got[rank]["logits"]),
+                                           logits.detach()[2 * rank: 2 * rank + 2], rtol=1e-5, atol=1e-5)
+                for name, p in model.named_parameters():
+                    torch.testing.assert_close(torch.from_numpy(got[rank]["grads"][name]), p.grad, rtol=1e-5,
+                                               atol=1e-5, msg=f"{family} {layout} {name}")
+            assert abs((got[0]["loss"] + got[1]["loss"]) / 2 - float(loss)) < 1e-5, (family, layout)
+            assert abs(got[0]["norm"] - float(norm)) < 1e-5 * float(norm), (family, layout)
