@@ -211,6 +211,14 @@ def test_refusals_are_one_line(hf_dirs: dict[str, Path], tmp_path: Path, capsys:
     assert main(["train", "--set", init, "--set", "moe.capacity_factor=1.25"]) == 2
     err = capsys.readouterr().err.strip()
     assert "moe.capacity_factor=1.25" in err and len(err.splitlines()) == 1
+    from crosstrain.engine import Trainer  # experts trained from scratch have no HF format to keep
+
+    Trainer(load_config(None, ["moe.experts=4", "train.steps=1", "train.batch_size=2", "train.seq_len=16",
+                               "logging.progress=none", "eval.every=0"]), run_dir=tmp_path / "scratch").fit()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "scratch"), "--format", "hf", "--out", str(tmp_path / "out")]) == 6
+    err = capsys.readouterr().err.strip()
+    assert "expert_bias' has no llama equivalent" in err and len(err.splitlines()) == 1
     for changes, words in (({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
                            ({"sliding_window": 16}, "sliding_window=16"),
                            ({"hidden_act": "gelu"}, "hidden_act='gelu'")):

@@ -173,7 +173,11 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
              if n in src.shapes and not (cfg.tie_embeddings and n == "output.weight")]
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
     # one unit per HF tensor (a fused one, e.g. Phi-3's qkv_proj, gathers its crosstrain members)
-    groups = {adapter.to_hf(g[0]): g for g in adapter.export_groups(order)}
+    try:
+        groups = {adapter.to_hf(g[0]): g for g in adapter.export_groups(order)}
+    except KeyError as exc:  # e.g. MoE experts trained from scratch: only an imported Mixtral keeps its format
+        raise ExportError(f"{src.source}: {exc.args[0]}, so the model has modules the {hf_config['model_type']} "
+                          "format lacks; export it with --format safetensors or onnx") from None
     sizes = [(h, itemsize * sum(int(torch.Size(src.shapes[n]).numel()) for n in g)) for h, g in groups.items()]
     shards = plan_shards(sizes, parse_size(max_shard_size))
 
