@@ -1,6 +1,6 @@
-"""Mixtral (and Qwen3-MoE where the GPT has Qwen3's attention) as native MoE models: routers against transformers'
+"""Mixtral and Qwen3-MoE as native MoE models: routers against transformers'
 own router modules, logits and greedy tokens against transformers, HF -> crosstrain -> HF bit-exact, 1 vs 2 ranks
-(dp_shard=2, ep=2), training from ``model.init_from`` with the balance loss on, and the one-line refusals.
+(dp_shard=2, ep=2, tp=2), training from ``model.init_from`` with the balance loss on, and the one-line refusals.
 
 Every model is built here from transformers' config classes with random weights (norms moved off 1, routers with a
 large std so tokens really pick different experts), saved sharded. Nothing is downloaded.
@@ -27,23 +27,15 @@ from crosstrain.recipes.lm import build_model  # noqa: E402
 
 SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=128)
-#: family -> (config class, model class, its MoE keys); Qwen3-MoE joins when the GPT has Qwen3's q/k norm
+#: family -> (config class, model class, its MoE keys)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)),
-}
-
-
-def _qwen3_native() -> bool:
-    from crosstrain.models.hf.config import ARCHITECTURES
-
-    return "qwen3" in ARCHITECTURES
-
-
-if _qwen3_native():
-    FAMILIES["qwen3_moe"] = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+    # Qwen3's q/k norm and an explicit head_dim; block 0 dense (mlp_only_layers), raw top-k weights
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         intermediate_size=80, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=24,
-        num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=False, router_aux_loss_coef=0.02))
+        num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=False, router_aux_loss_coef=0.02)),
+}
 
 
 def save_hf(family: str, folder: Path, **extra: Any) -> torch.nn.Module:
@@ -231,7 +223,7 @@ def test_refusals_are_one_line(hf_dirs: dict[str, Path], tmp_path: Path, capsys:
             load_config(None, [f"model.init_from={folder}"])
 
 
-LAYOUTS = {"dp_shard=2": {"dp_shard": 2}, "dp_shard=2,ep=2": {"dp_shard": 2, "ep": 2}}
+LAYOUTS = {"dp_shard=2": {"dp_shard": 2}, "dp_shard=2,ep=2": {"dp_shard": 2, "ep": 2}, "tp=2": {"dp_shard": 1, "tp": 2}}
 
 
 def _batch() -> torch.Tensor:
@@ -265,8 +257,8 @@ def _ranks(collective: Any, folders: dict[str, str]) -> dict[str, Any]:
             dims = ParallelDims(**dims_kw, world_size=2).resolve()
             pm = parallelize(load_pretrained(folder), dims, build_mesh(collective, dims), torch.device("cpu"))
             pm.module.train()
-            with pm.micro_batch(), registry.use_reference():
-                logits, loss = _step(pm.module, half)
+            with pm.micro_batch(), registry.use_reference():  # tp: both ranks compute the whole batch
+                logits, loss = _step(pm.module, _batch() if dims.tp > 1 else half)
                 loss.backward()
             grads = {clean_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).numpy()
                      for n, p in pm.module.named_parameters()}
@@ -277,8 +269,9 @@ def _ranks(collective: Any, folders: dict[str, str]) -> dict[str, Any]:
 
 
 def test_two_ranks_match_one_process(hf_dirs: dict[str, Path]) -> None:
-    """dp_shard=2 and dp_shard=2 x ep=2 (experts split over the ranks) against one process on the whole batch: the
-    mean of the ranks' losses (cross-entropy + global balance loss) and every gradient within 1e-5."""
+    """dp_shard=2, dp_shard=2 x ep=2 (experts split over the ranks) and tp=2 against one process on the whole batch:
+    logits, the loss (cross-entropy + global balance loss; the ranks' mean under dp), every gradient and the
+    gradient norm within 1e-5."""
     from crosstrain.models.hf import load_pretrained
 
     per_rank = shared_ranks.run(_ranks, {f: str(hf_dirs[f]) for f in FAMILIES}, timeout=300)
@@ -292,11 +285,13 @@ def test_two_ranks_match_one_process(hf_dirs: dict[str, Path]) -> None:
         for layout in LAYOUTS:
             got = [r[f"{family}/{layout}"] for r in per_rank]
             assert [g["ep_size"] for g in got] == [LAYOUTS[layout].get("ep", 1)] * 2  # experts really split
+            whole = "tp" in layout  # tp: each rank's logits and loss are the whole batch's
             for rank in range(2):
-                torch.testing.assert_close(torch.from_numpy(got[rank]["logits"]),
-                                           logits.detach()[2 * rank: 2 * rank + 2], rtol=1e-5, atol=1e-5)
+                want = logits.detach() if whole else logits.detach()[2 * rank: 2 * rank + 2]
+                torch.testing.assert_close(torch.from_numpy(got[rank]["logits"]), want, rtol=1e-5, atol=1e-5)
                 for name, p in model.named_parameters():
                     torch.testing.assert_close(torch.from_numpy(got[rank]["grads"][name]), p.grad, rtol=1e-5,
                                                atol=1e-5, msg=f"{family} {layout} {name}")
-            assert abs((got[0]["loss"] + got[1]["loss"]) / 2 - float(loss)) < 1e-5, (family, layout)
+            mean = got[0]["loss"] if whole else (got[0]["loss"] + got[1]["loss"]) / 2
+            assert abs(mean - float(loss)) < 1e-5, (family, layout)
             assert abs(got[0]["norm"] - float(norm)) < 1e-5 * float(norm), (family, layout)
