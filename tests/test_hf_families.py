@@ -184,8 +184,9 @@ def test_hf_crosstrain_hf_is_bit_exact(hf_dirs: dict[str, Path], tmp_path: Path,
     assert sorted(before) == sorted(after)
     for name, tensor in before.items():
         assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
-    src_cfg = json.loads((hf_dirs[family] / "config.json").read_text())
-    assert json.loads((out / "config.json").read_text())["model_type"] == src_cfg["model_type"]
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (hf_dirs[family], out))
+    for key in ("model_type", "max_position_embeddings", "head_dim", "attention_bias", "no_rope_layers"):
+        assert key not in src_cfg or out_cfg[key] == src_cfg[key], key
     ids = torch.arange(40).view(1, 40)
     with torch.no_grad():
         want = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[family]).eval()(ids).logits
@@ -207,6 +208,35 @@ def test_export_without_a_base_config_picks_the_family_that_computes_it(
     from crosstrain.models.hf import gpt_config_from_hf
 
     assert gpt_config_from_hf(out) == cfg
+
+
+def test_v4_rope_scaling_is_read_like_v5_rope_parameters(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A Llama 3.1-style config.json of transformers 4 (``rope_scaling`` + top-level ``rope_theta``) gives the same
+    model as the v5 ``rope_parameters`` one, and the logits transformers computes from it."""
+    folder = tmp_path / "v4"
+    shutil.copytree(hf_dirs["llama3"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    scaling = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+    cfg.update({"rope_scaling": scaling, "rope_theta": LLAMA3["rope_theta"]})
+    cfg.pop("rope_parameters")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ours = _ours(folder)
+    assert ours.config == _ours(hf_dirs["llama3"]).config
+    ids = torch.arange(48).view(1, 48)
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+        assert (ours(ids) - ref).abs().max().item() <= 1e-5
+
+
+def test_flops_count_the_attention_width_not_the_hidden_size(hf_dirs: dict[str, Path]) -> None:
+    """PaLM's 6N + 12 L (heads * head_dim) T: Qwen3's heads are 4 x 24 = 96 wide on a 64-wide residual stream."""
+    from crosstrain.models.gpt import GPT
+    from crosstrain.models.hf import pretrained_config
+
+    cfg = pretrained_config(hf_dirs["qwen3"])
+    model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
+    assert model.flops_per_token(32) == 6 * n + 12 * 2 * 96 * 32
 
 
 # -- refusals --------------------------------------------------------------------------------------------------

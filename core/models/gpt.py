@@ -75,7 +75,10 @@ class GPTConfig:
         return 32 * math.ceil(8 * self.dim / 3 / 32)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as JSON gives them back (``nope_layers`` a list)."""
+        out = asdict(self)
+        out["nope_layers"] = list(self.nope_layers)
+        return out
 
 
 #: Presets from CPU-seconds to ~1B parameters (byte-level vocabulary unless overridden).
