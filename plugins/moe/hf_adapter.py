@@ -109,7 +109,7 @@ class MoEAdapter(StateDictAdapter):
         return {**super().to_hf_tensors(rest), **out} if rest else out
 
     def hf_config(self, cfg: GPTConfig, *, base: dict[str, Any] | None, dtype: str, eos_id: int | None,
-                  shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+                  shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
         """The imported ``config.json`` (``base``) with the shape of what is exported; the experts' count, size
         and blocks come from the tensors and must agree with it."""
         from crosstrain.plugins.moe.config import MoESection
@@ -122,7 +122,7 @@ class MoEAdapter(StateDictAdapter):
         sec = MoESection(**moe_fields(base))
         moe = sorted(int(k.split(".")[1]) for k in shapes if k.endswith("feed_forward.experts.w1"))
         want = [i for i in range(cfg.n_layers) if is_moe_block(i, sec.every, sec.dense_layers)]
-        experts, expert_dim = shapes[f"layers.{moe[0]}.feed_forward.experts.w1"][::2] if moe else (0, 0)
+        experts, expert_dim = tuple(shapes[f"layers.{moe[0]}.feed_forward.experts.w1"])[::2] if moe else (0, 0)
         if moe != want or (experts, expert_dim) != (sec.experts, sec.expert_dim):
             raise ConfigError(f"the model's MoE blocks {moe} ({experts} experts of {expert_dim}) differ from the "
                               f"{self.family} config.json it was imported from ({want}, {sec.experts} of "
