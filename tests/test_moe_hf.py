@@ -110,6 +110,7 @@ def test_routers_match_transformers_and_closed_forms() -> None:
 def test_logits_and_greedy_tokens_match_transformers(
     hf_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str],
 ) -> None:
+    from crosstrain.models.family import param_count
     from crosstrain.plugins.moe.transform import moe_layers
 
     prompt = torch.randint(0, SHAPE["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(1))
@@ -117,8 +118,11 @@ def test_logits_and_greedy_tokens_match_transformers(
     for family in [*FAMILIES, "mixtral_top1"]:
         folder = hf_dirs[family]
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        model = build_model(load_config(None, [f"model.init_from={folder}"])).eval()
+        config = load_config(None, [f"model.init_from={folder}"])
+        model = build_model(config).eval()
         layers = moe_layers(model)
+        # the layout estimate counts the experts without building the model
+        assert param_count(config) == sum(p.numel() for p in model.parameters()), family
         assert layers and all(layer.cfg.capacity_factor == 0 for layer in layers)
         seen: list[torch.Tensor] = []
         hook = layers[0].register_forward_pre_hook(lambda _m, args, seen=seen: seen.append(args[0].reshape(-1, 64)))
