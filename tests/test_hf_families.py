@@ -264,12 +264,20 @@ def test_remaining_refusals_are_one_line(
     assert field in err and len(err.splitlines()) == 1
 
 
-def test_sequence_dependent_rope_is_refused_past_its_original_context(hf_dirs: dict[str, Path]) -> None:
+def test_sequence_dependent_rope_is_refused_past_its_original_context(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
     """longrope (and dynamic) rescale with the current length in transformers: the table is exact up to the
     original context, which the import takes as max_seq_len; a longer one is refused naming rope_type."""
     assert _ours(hf_dirs["phi3"]).config.max_seq_len == 64
     with pytest.raises(ConfigError, match="rope_parameters.rope_type='longrope'"):
         load_config(None, [f"model.init_from={hf_dirs['phi3']}", "model.max_seq_len=128"])
+    folder = tmp_path / "dynamic"
+    shutil.copytree(hf_dirs["llama3"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert load_config(None, [f"model.init_from={folder}", "model.max_seq_len=128"])  # max_position_embeddings
+    with pytest.raises(ConfigError, match="rope_parameters.rope_type='dynamic'"):
+        load_config(None, [f"model.init_from={folder}", "model.max_seq_len=256"])
 
 
 # -- 1 vs 2 ranks ----------------------------------------------------------------------------------------------
