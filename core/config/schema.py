@@ -32,6 +32,10 @@ class TrainConfig(Section):
 
 class ModelConfig(Section):
     preset: str = "tiny"
+    source: Literal["auto", "native", "transformers"] = Field(
+        default="auto", description='"auto": a native family when model.init_from\'s model_type has one, else the '
+        'generic transformers path; "native": always crosstrain\'s own model; "transformers": any '
+        "AutoModelForCausalLM (docs/models.md)")
     import_path: str = Field(default="", description='user model "pkg.module:build"; build(model_section) -> nn.Module')
     vocab_size: int | None = Field(default=None, ge=2)
     dim: int | None = Field(default=None, ge=1)
