@@ -41,4 +41,5 @@ def inactive_params(model: nn.Module) -> int:
     return skipped
 
 
-MOE_EXTENSION = FamilyExtension(name="moe", family="gpt", extra_params=extra_params, inactive_params=inactive_params)
+MOE_EXTENSION = FamilyExtension(name="moe", family="gpt", extra_params=extra_params, inactive_params=inactive_params,
+                                parallel_dims=("ep",))
