@@ -56,7 +56,9 @@ def _config_class(cfg: GenericConfig) -> Any:
 
 def validate_parallel(cfg: GenericConfig, dims: Any) -> None:
     """No pipeline split or expert parallelism; tensor parallelism only through the model's
-    ``base_model_tp_plan``."""
+    ``base_model_tp_plan``. ``cfg`` may also be a built model's transformers config (``parallelize`` passes it)."""
+    if not isinstance(cfg, GenericConfig):
+        cfg = GenericConfig(hf_config=cfg.to_dict())
     if dims.pp > 1:
         raise ConfigError(f"parallel.pp={dims.pp}: the generic (transformers) path has no pipeline split; set "
                           "parallel.pp=1 (or use a native family: crosstrain models)")

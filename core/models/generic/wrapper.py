@@ -54,7 +54,9 @@ class GenericCausalLM(nn.Module):
                        attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Logits for ``tokens [B, L]`` appended to ``cache``; ``attention_mask [B, cache.length + L]`` marks real
         tokens (transformers' 2-D padding mask), None when no row is padded."""
-        kwargs: dict[str, Any] = {"input_ids": tokens, "past_key_values": cache.hf, "use_cache": True}
+        # transformers 5.x renamed past_key_values to cache (the old name warns until its removal)
+        key = "cache" if _takes(self._hf_class, "cache") else "past_key_values"
+        kwargs: dict[str, Any] = {"input_ids": tokens, key: cache.hf, "use_cache": True}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.long()
         if _takes(self._hf_class, "position_ids"):  # ALiBi and learned-position models find positions from the mask
