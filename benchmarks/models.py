@@ -5,9 +5,9 @@ config.json), under the same loop, layout (1 process), threads, batch, sequence 
 Throughput: both paths alternate in this process (one untimed warm-up run each, then ABBA order, ``--rounds``
 times, :func:`_timing.alternate`); each run's first ``--warmup`` step intervals are dropped and tokens/s is
 batch x seq / the median step time. ``parallel.compile`` is the same for both (``--compile``, default false: the
-models compared, not the compiler's choice). Peak memory is measured apart, each path in a fresh process (this script with
-``--memory PATH``): on an accelerator the allocator's peak, on the CPU the growth of the peak resident set over
-the training run (transformers imported in both, before the measurement starts).
+models compared, not the compiler's choice). Peak memory is measured apart, each path in a fresh process (this
+script with ``--memory PATH``): on an accelerator the allocator's peak, on the CPU the growth of the peak resident
+set over the training run (transformers imported in both, before the measurement starts).
 
     python benchmarks/models.py [--preset small] [--rounds 3] [--quick]
 
@@ -36,7 +36,8 @@ PATHS = ("native", "transformers")
 def _sets(path: str, args: argparse.Namespace, out: str) -> list[str]:
     return ["backend=auto", f"model.preset={args.preset}", "model.vocab_size=256", f"model.source={path}",
             f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.seq_len={args.seq}",
-            f"train.threads={args.threads}", f"parallel.compile={args.compile}", "logging.progress=none", "eval.every=0",
+            f"train.threads={args.threads}", f"parallel.compile={args.compile}", "logging.progress=none",
+            "eval.every=0",
             "checkpoint.every=0", "schedule.warmup_steps=0", f"train.output_dir={out}"]
 
 
@@ -84,7 +85,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compile", default="false", help="parallel.compile for both paths (auto: crosstrain's choice)")
+    parser.add_argument("--compile", default="false",
+                        help="parallel.compile for both paths (auto: crosstrain's choice)")
     parser.add_argument("--quick", action="store_true", help="shorter runs: 8 steps, 2 rounds, seq 128")
     parser.add_argument("--memory", choices=PATHS, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -49,7 +49,7 @@ def _save_family(model_type: str, folder: Path) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SHAPE, **FAMILIES[model_type]))
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:  # norms and biases off their init (ones / zeros)
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder, max_shard_size="40KB")

@@ -115,7 +115,7 @@ def scalar_head(model: nn.Module, init: str) -> None:
         raise ValueError(f"scalar head init {init!r}; use 'normal', 'zeros' or 'default'")
     model.config.tie_word_embeddings = False  # type: ignore[union-attr]  # tie_weights() must not re-tie it
     if hasattr(model, "all_tied_weights_keys"):
-        model.all_tied_weights_keys = {}
+        model.all_tied_weights_keys = {}  # type: ignore[assignment]
     model.set_output_embeddings(head.to(old.weight.device))  # type: ignore[operator]
 
 

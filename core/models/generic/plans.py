@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -38,10 +39,15 @@ def _style(name: str, key: str, model: nn.Module) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "rowwise_rep": RowwiseParallel}
+    styles: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel, "rowwise_rep": RowwiseParallel,
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        # a replicated input split locally over the last dim (after a gathered colwise layer)
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # the embedding sharded over the vocabulary, as the native GPT's (core/models/gpt.py)
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    }
     if name not in styles:
         raise ConfigError(f"parallel.tp: {type(model).__name__}'s base_model_tp_plan shards {key} as {name!r}, which "
                           f"the generic path does not map (it maps {', '.join(styles)}); set parallel.tp=1")

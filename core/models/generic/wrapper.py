@@ -88,7 +88,8 @@ class GenericCausalLM(nn.Module):
 @functools.cache
 def _takes(cls: type, name: str) -> bool:
     """Does the transformers class ``cls`` (the one :func:`adopt` mixed into) take keyword ``name`` in forward?"""
-    return name in inspect.signature(cls.forward).parameters
+    forward: Any = cls.forward  # type: ignore[attr-defined]
+    return name in inspect.signature(forward).parameters
 
 
 def adopt(model: nn.Module) -> GenericCausalLM:
