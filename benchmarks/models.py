@@ -104,7 +104,7 @@ def main() -> None:
 
     def timed(path: str, r: int) -> list[float]:
         intervals, summary = train(path, args)
-        compiled[path] = summary.get("compile", summary.get("compile_s"))
+        compiled[path] = summary["defaults"]["compile"]["enabled"]
         return intervals[args.warmup:]
 
     runs = alternate(PATHS, args.rounds, timed)
