@@ -4,7 +4,7 @@ Each family's test model is a random tiny one built with transformers' own confi
 moved off their init values (so a mapping that dropped them would show), saved sharded with ``save_pretrained``.
 Checked: seven non-native families train from ``model.init_from`` with the loss falling; FSDP2 (per decoder layer,
 with activation checkpointing), DDP and tensor parallelism through ``base_model_tp_plan`` on 2 real ranks give the
-1-process losses (rel 1e-4); sft and LoRA dpo run; the exported folder loads in transformers with the trained
+1-process losses (rel 1e-4); sft, LoRA dpo, rm, grpo and ppo run; the exported folder loads in transformers with the trained
 weights (same params_sha256, logits within 1e-5, the same greedy tokens as ``crosstrain generate``); a resumed run
 ends with the uninterrupted run's params_sha256; refusals are one line; ``crosstrain models`` lists every family.
 """
@@ -134,7 +134,9 @@ def test_two_ranks_match_one_process(folders: dict[str, Path], tmp_path: Path) -
 
 
 # -- recipes ---------------------------------------------------------------------------------------------------------
-def test_sft_and_lora_dpo_run_on_the_generic_path(folders: dict[str, Path], tmp_path: Path) -> None:
+def test_every_recipe_runs_on_the_generic_path(folders: dict[str, Path], tmp_path: Path) -> None:
+    """sft, LoRA dpo, and rm / grpo / ppo (their scalar heads swapped on the transformers model, generation through
+    transformers' cache) on GPT-NeoX."""
     neox = folders["gpt_neox"]
     sft = _one_process(_sets(neox, "train.recipe=sft", "train.steps=3", "train.seq_len=64"), tmp_path / "sft")
     assert len(sft["losses"]) == 3 and all(torch.isfinite(torch.tensor(sft["losses"])))
@@ -142,6 +144,10 @@ def test_sft_and_lora_dpo_run_on_the_generic_path(folders: dict[str, Path], tmp_
                              'lora.targets=["query_key_value", "dense"]'), tmp_path / "dpo")
     assert len(dpo["losses"]) == 3
     assert abs(dpo["losses"][0] - 0.6931) < 1e-3  # LoRA starts as the base: policy == reference, loss = log 2
+    for recipe in ("rm", "grpo", "ppo"):
+        summary = _one_process(_sets(neox, f"train.recipe={recipe}", "train.steps=2", "train.seq_len=64"),
+                               tmp_path / recipe)
+        assert len(summary["losses"]) == 2 and all(torch.isfinite(torch.tensor(summary["losses"]))), recipe
 
 
 # -- export, generation, resume --------------------------------------------------------------------------------------
