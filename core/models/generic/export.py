@@ -22,9 +22,13 @@ def is_generic_run(config: Any) -> bool:
     """Did the run (its :class:`~crosstrain.config.Config`, None when unknown) train on the generic path?"""
     if config is None or config.model.import_path:
         return False
+    from crosstrain.errors import ConfigError
     from crosstrain.models.family import family_for_run
 
-    return family_for_run(config).path == "generic"
+    try:
+        return family_for_run(config).path == "generic"
+    except ConfigError:  # its model.init_from folder is gone: the native loader says what is missing
+        return False
 
 
 @torch.no_grad()
