@@ -109,7 +109,13 @@ def _layouts(folders: dict[str, Path]) -> dict[str, list[str]]:
         "fsdp": [*neox, "parallel.dp_shard=2", "parallel.activation_checkpoint=full"],
         "ddp": [*neox, "parallel.dp_replicate=2", "parallel.dp_shard=1"],
         "tp": [*_sets(folders["starcoder2"], "train.steps=4"), "parallel.tp=2", "parallel.dp_shard=1"],
+        # rollouts generate on the FSDP2-sharded policy (transformers' cache through the gathered model)
+        "grpo": [*_grpo(folders), "parallel.dp_shard=2"],
     }
+
+
+def _grpo(folders: dict[str, Path]) -> list[str]:
+    return _sets(folders["gpt_neox"], "train.recipe=grpo", "train.steps=2", "train.seq_len=64", "train.batch_size=8")
 
 
 def _fit_all(collective: Any, root: str, layouts: dict[str, list[str]]) -> dict[str, Any]:
@@ -131,6 +137,8 @@ def test_two_ranks_match_one_process(folders: dict[str, Path], tmp_path: Path) -
         got = rank0[name]["losses"]
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, ref, strict=True))
         assert worst <= REL, f"{name}: max rel loss diff {worst:.2e}: {got} vs one process {ref}"
+    grpo = _one_process(_grpo(folders), tmp_path / "ref_grpo")["losses"]  # near 0: compared absolutely
+    assert max(abs(g - w) for g, w in zip(rank0["grpo"]["losses"], grpo, strict=True)) <= 1e-5
 
 
 # -- recipes ---------------------------------------------------------------------------------------------------------

@@ -37,11 +37,14 @@ class GenericCausalLM(nn.Module):
     config: Any
     _hf_class: type  # the transformers class this one extends
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
-        """Logits ``[B, T, vocab]`` of ``tokens [B, T]`` (no cache: training and scoring)."""
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,  # type: ignore[override]
+                **hf_kwargs: Any) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of ``tokens [B, T]``; without ``hf_kwargs`` (training and scoring) no cache.
+        ``hf_kwargs`` go to the transformers forward (:meth:`forward_cached` passes its cache through here)."""
         if doc_ids is not None:
             raise ConfigError("the generic (transformers) path takes no document ids; set data.packing='concat'")
-        return super().forward(input_ids=tokens, use_cache=False).logits  # type: ignore[misc]
+        hf_kwargs.setdefault("use_cache", False)
+        return super().forward(input_ids=tokens, **hf_kwargs).logits  # type: ignore[misc]
 
     # -- the generation cache protocol (crosstrain.generation.engine) ---------------------------------------------
     def allocate_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
@@ -56,12 +59,14 @@ class GenericCausalLM(nn.Module):
         tokens (transformers' 2-D padding mask), None when no row is padded."""
         # transformers 5.x renamed past_key_values to cache (the old name warns until its removal)
         key = "cache" if _takes(self._hf_class, "cache") else "past_key_values"
-        kwargs: dict[str, Any] = {"input_ids": tokens, key: cache.hf, "use_cache": True}
+        kwargs: dict[str, Any] = {key: cache.hf, "use_cache": True}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.long()
         if _takes(self._hf_class, "position_ids"):  # ALiBi and learned-position models find positions from the mask
             kwargs["position_ids"] = positions
-        logits = super().forward(**kwargs).logits  # type: ignore[misc]
+        # through __call__, unlike the native GPT: transformers calls its decoder layers through theirs, and FSDP2
+        # must see the root's forward first (its hooks then find the parameters crosstrain.generation gathered)
+        logits = self(tokens, **kwargs)
         cache.length += tokens.shape[1]
         return logits
 
