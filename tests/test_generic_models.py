@@ -4,9 +4,10 @@ Each family's test model is a random tiny one built with transformers' own confi
 moved off their init values (so a mapping that dropped them would show), saved sharded with ``save_pretrained``.
 Checked: seven non-native families train from ``model.init_from`` with the loss falling; FSDP2 (per decoder layer,
 with activation checkpointing), DDP and tensor parallelism through ``base_model_tp_plan`` on 2 real ranks give the
-1-process losses (rel 1e-4); sft, LoRA dpo, rm, grpo and ppo run; the exported folder loads in transformers with the trained
-weights (same params_sha256, logits within 1e-5, the same greedy tokens as ``crosstrain generate``); a resumed run
-ends with the uninterrupted run's params_sha256; refusals are one line; ``crosstrain models`` lists every family.
+1-process losses (rel 1e-4), and so does GRPO (rollouts generated on the sharded policy); sft, LoRA dpo, rm, grpo
+and ppo run; the exported folder loads in transformers with the trained weights (same params_sha256, logits within
+1e-5, the same greedy tokens as ``crosstrain generate``); a resumed run ends with the uninterrupted run's
+params_sha256; refusals are one line; ``crosstrain models`` lists every family.
 """
 
 from __future__ import annotations
