@@ -210,6 +210,17 @@ def test_source_picks_the_path_and_refusals_are_one_line(folders: dict[str, Path
     assert family_for_run(load_config(None, ["model.source=transformers"])).name == "generic"  # a preset's Llama
 
     neox, falcon = folders["gpt_neox"], folders["falcon"]
+    from crosstrain.models.family import param_count
+    from crosstrain.models.generic.wrapper import GenericCausalLM
+    from crosstrain.recipes.lm import build_model
+
+    bare = tmp_path / "config_only"  # a config.json and no weights: random weights from the run's seed
+    bare.mkdir()
+    (bare / "config.json").write_text((neox / "config.json").read_text())
+    config = load_config(None, [f"model.init_from={bare}"])
+    model = build_model(config)
+    assert isinstance(model, GenericCausalLM) and type(model).__name__ == "GPTNeoXForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == param_count(config)  # the family's meta-device count
     raises_one_line(lambda: check_world(load_config(None, _sets(neox, "parallel.pp=2")), 2), "parallel.pp=2",
                     "generic", "parallel.pp=1")
     raises_one_line(lambda: check_world(load_config(None, _sets(falcon, "parallel.tp=2")), 2), "parallel.tp=2",
