@@ -51,7 +51,11 @@ class GenericCausalLM(nn.Module):
                           device: torch.device | None = None) -> HFCache:
         from transformers import DynamicCache
 
-        return HFCache(DynamicCache(config=self.config), max_len)
+        try:
+            cache = DynamicCache(config=self.config)
+        except TypeError:  # transformers < 4.56 builds it without the config
+            cache = DynamicCache()
+        return HFCache(cache, max_len)
 
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCache,
                        attention_mask: torch.Tensor | None) -> torch.Tensor:
