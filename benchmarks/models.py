@@ -4,8 +4,10 @@ config.json), under the same loop, layout (1 process), threads, batch, sequence 
 
 Throughput: both paths alternate in this process (one untimed warm-up run each, then ABBA order, ``--rounds``
 times, :func:`_timing.alternate`); each run's first ``--warmup`` step intervals are dropped and tokens/s is
-batch x seq / the median step time. ``parallel.compile`` is the same for both (``--compile``, default false: the
-models compared, not the compiler's choice). Peak memory is measured apart, each path in a fresh process (this
+batch x seq / the median step time, read on ``--clock``: by default this process's CPU time (``--threads 1``
+on the CPU: the work of the step, unaffected by other jobs on a shared machine), or ``wall``.
+``parallel.compile`` is the same for both (``--compile``, default false: the models compared, not the compiler's
+choice). Peak memory is measured apart, each path in a fresh process (this
 script with ``--memory PATH``): on an accelerator the allocator's peak, on the CPU the growth of the peak resident
 set over the training run (transformers imported in both, before the measurement starts).
 
@@ -25,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +49,8 @@ def train(path: str, args: argparse.Namespace) -> tuple[list[float], dict[str, A
     from crosstrain.config import load_config
     from crosstrain.engine import Trainer
 
-    with tempfile.TemporaryDirectory(prefix=f"bench-models-{path}-") as out, step_clock() as clock:
+    clock_fn = time.process_time if args.clock == "cpu" else time.perf_counter
+    with tempfile.TemporaryDirectory(prefix=f"bench-models-{path}-") as out, step_clock(clock_fn) as clock:
         summary = Trainer(load_config(None, _sets(path, args, out)), run_dir=out).fit()
     return clock.intervals, summary
 
@@ -87,6 +91,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compile", default="false",
                         help="parallel.compile for both paths (auto: crosstrain's choice)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu: this process's CPU seconds per step (robust to other jobs on a shared machine, "
+                             "exact for one thread on the CPU); wall: wall seconds (use on an accelerator)")
     parser.add_argument("--quick", action="store_true", help="shorter runs: 8 steps, 2 rounds, seq 128")
     parser.add_argument("--memory", choices=PATHS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -119,7 +126,7 @@ def main() -> None:
         "tokens_per_s": {p: round(v, 1) for p, v in tps.items()},
         "peak_bytes": {p: m["peak_bytes"] for p, m in mem.items()}, "memory_measure": mem["native"]["measure"],
         "preset": args.preset, "batch": args.batch, "seq_len": args.seq, "threads": args.threads,
-        "steps": args.steps, "rounds": args.rounds, "compile": args.compile,
+        "steps": args.steps, "rounds": args.rounds, "compile": args.compile, "clock": args.clock,
         "compiled": {p: s for p, s in compiled.items()},
     }
     print(json.dumps(result))
