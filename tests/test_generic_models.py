@@ -193,6 +193,9 @@ def test_export_loads_in_transformers_and_resume_is_exact(folders: dict[str, Pat
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                        pad_token_id=0)[0, len(prompt):].tolist()
     assert new == want
+    from crosstrain.generation import GenerationConfig, generate
+
+    raises_one_line(lambda: generate(ours, [prompt], GenerationConfig(max_new_tokens=2, compile=True)), "make_static")
 
 
 # -- selection and refusals ------------------------------------------------------------------------------------------
