@@ -233,6 +233,10 @@ def test_source_picks_the_path_and_refusals_are_one_line(folders: dict[str, Path
     raises_one_line(lambda: check_static(load_config(None, _sets(neox, "model.source=native"))), "gpt_neox")
     raises_one_line(lambda: check_static(load_config(None, _sets(neox, "model.dim=64"))), "model.dim",
                     "init_from")
+    from crosstrain.engine.models import transform_model
+
+    lora = load_config(None, _sets(neox, "train.recipe=sft", "lora.rank=4"))  # the native names (wq, ...) by default
+    raises_one_line(lambda: transform_model(build_model(lora), "policy", lora), "query_key_value", "dense_4h_to_h")
 
 
 def test_models_command_lists_every_family_from_its_bundle(plugin: Any) -> None:
