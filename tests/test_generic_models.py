@@ -4,7 +4,8 @@ Each family's test model is a random tiny one built with transformers' own confi
 moved off their init values (so a mapping that dropped them would show), saved sharded with ``save_pretrained``.
 Checked: seven non-native families train from ``model.init_from`` with the loss falling; FSDP2 (per decoder layer,
 with activation checkpointing), DDP and tensor parallelism through ``base_model_tp_plan`` on 2 real ranks give the
-1-process losses (rel 1e-4), and so does GRPO (rollouts generated on the sharded policy); sft, LoRA dpo, rm, grpo
+1-process losses (rel 1e-4), and so does GRPO (rollouts generated on the sharded policy); bf16 under FSDP2 stays
+within 2e-2 of the fp32 losses; sft, LoRA dpo, rm, grpo
 and ppo run; the exported folder loads in transformers with the trained weights (same params_sha256, logits within
 1e-5, the same greedy tokens as ``crosstrain generate``); a resumed run ends with the uninterrupted run's
 params_sha256; refusals are one line; ``crosstrain models`` lists every family.
@@ -109,6 +110,7 @@ def _layouts(folders: dict[str, Path]) -> dict[str, list[str]]:
     return {
         "fsdp": [*neox, "parallel.dp_shard=2", "parallel.activation_checkpoint=full"],
         "ddp": [*neox, "parallel.dp_replicate=2", "parallel.dp_shard=1"],
+        "bf16": [*neox, "parallel.dp_shard=2", "precision.dtype=bf16"],  # FSDP2 gathers bf16 parameters
         "tp": [*_sets(folders["starcoder2"], "train.steps=4"), "parallel.tp=2", "parallel.dp_shard=1"],
         # rollouts generate on the FSDP2-sharded policy (transformers' cache through the gathered model)
         "grpo": [*_grpo(folders), "parallel.dp_shard=2"],
@@ -138,6 +140,8 @@ def test_two_ranks_match_one_process(folders: dict[str, Path], tmp_path: Path) -
         got = rank0[name]["losses"]
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, ref, strict=True))
         assert worst <= REL, f"{name}: max rel loss diff {worst:.2e}: {got} vs one process {ref}"
+    bf16 = max(abs(g - w) / w for g, w in zip(rank0["bf16"]["losses"], refs["neox"], strict=True))
+    assert bf16 <= 2e-2, f"bf16 under FSDP2 is {bf16:.2e} off the fp32 losses"  # bf16 rounding, not another model
     grpo = _one_process(_grpo(folders), tmp_path / "ref_grpo")["losses"]  # near 0: compared absolutely
     assert max(abs(g - w) for g, w in zip(rank0["grpo"]["losses"], grpo, strict=True)) <= 1e-5
 
