@@ -5,10 +5,10 @@ moved off their init values (so a mapping that dropped them would show), saved s
 Checked: seven non-native families train from ``model.init_from`` with the loss falling; FSDP2 (per decoder layer,
 with activation checkpointing), DDP and tensor parallelism through ``base_model_tp_plan`` on 2 real ranks give the
 1-process losses (rel 1e-4), and so does GRPO (rollouts generated on the sharded policy); bf16 under FSDP2 stays
-within 2e-2 of the fp32 losses; sft, LoRA dpo, rm, grpo
-and ppo run; the exported folder loads in transformers with the trained weights (same params_sha256, logits within
-1e-5, the same greedy tokens as ``crosstrain generate``); a resumed run ends with the uninterrupted run's
-params_sha256; refusals are one line; ``crosstrain models`` lists every family.
+within 2e-2 of the fp32 losses; sft, LoRA dpo, rm, grpo and ppo run; the exported folder loads in transformers with
+the trained weights (same params_sha256, logits within 1e-5, the same greedy tokens as ``crosstrain generate``); a
+resumed run ends with the uninterrupted run's params_sha256; refusals are one line; ``crosstrain models`` lists
+every family.
 """
 
 from __future__ import annotations
