@@ -136,9 +136,11 @@ def test_unsupported_options_are_one_line_errors(
     folder = tmp_path / "m"
     shutil.copytree(hf_dirs[kind], folder)
     _write_config(folder, **changes)
+    # another model_type goes to the generic path under model.source=auto; the native path refuses it
+    sets = [f"model.init_from={folder}", *(["model.source=native"] if "model_type" in changes else [])]
     with pytest.raises(ConfigError, match=field.replace("[", r"\[")):
-        build_model(load_config(None, [f"model.init_from={folder}"]))
-    assert main(["train", "--set", f"model.init_from={folder}"]) == 2
+        build_model(load_config(None, sets))
+    assert main(["train", *(a for s in sets for a in ("--set", s))]) == 2
     err = capsys.readouterr().err.strip()
     assert field in err and len(err.splitlines()) == 1
 

@@ -15,7 +15,7 @@ from crosstrain.errors import CrosstrainError
 
 #: core subcommand modules under ``crosstrain.cli.commands``; each defines ``add_parser(subparsers)``.
 CORE_COMMANDS = ("train", "eval", "data", "tokenizer", "checkpoint", "backends", "plugins", "kernels",
-                 "doctor")
+                 "doctor", "models")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -142,7 +142,7 @@ def resolve_import_path(spec: str, key: str = "model.import_path") -> Any:
 
 def check_static(config: Config) -> None:
     """Checks that need no world size: batch/accumulation arithmetic, model preset and sequence length."""
-    from crosstrain.models.family import family_for_preset
+    from crosstrain.models.family import family_for_run
 
     t, m = config.train, config.model
     if t.batch_size % t.grad_accum:
@@ -157,7 +157,7 @@ def check_static(config: Config) -> None:
     if m.import_path:
         _import_target(m.import_path)
     else:
-        family = family_for_preset(m.preset)
+        family = family_for_run(config)
         family.check(family.config_from_run(config), config)
     if config.data.path and not Path(config.data.path).is_file():
         if t.recipe != "lm":  # a recipe's own file (JSONL rows), not a token file
@@ -199,9 +199,9 @@ def check_world(config: Config, world_size: int, memory_per_rank: int = 0) -> An
     dims = dims.resolve() or dims
     dims.layout_choice = choice
     if not config.model.import_path:
-        from crosstrain.models.family import family_for_preset
+        from crosstrain.models.family import family_for_run
 
-        family = family_for_preset(config.model.preset)
+        family = family_for_run(config)
         family.validate_parallel(family.config_from_run(config), dims)
     from crosstrain.config.rules import check_rules
 

@@ -32,6 +32,10 @@ class TrainConfig(Section):
 
 class ModelConfig(Section):
     preset: str = "tiny"
+    source: Literal["auto", "native", "transformers"] = Field(
+        default="auto", description='"auto": a native family when model.init_from\'s model_type has one, else the '
+        'generic transformers path; "native": always crosstrain\'s own model; "transformers": any '
+        "AutoModelForCausalLM (docs/models.md)")
     import_path: str = Field(default="", description='user model "pkg.module:build"; build(model_section) -> nn.Module')
     vocab_size: int | None = Field(default=None, ge=2)
     dim: int | None = Field(default=None, ge=1)
@@ -42,8 +46,8 @@ class ModelConfig(Section):
     max_seq_len: int | None = Field(default=None, ge=1)
     tie_embeddings: bool | None = None
     qkv_bias: bool | None = Field(default=None, description="biases on the q/k/v projections (as in Qwen2)")
-    init_from: str = Field(default="", description="a Hugging Face model folder (Llama, Mistral, Qwen2): its "
-                           "config.json gives the GPT's shape and its safetensors the initial weights; or a "
+    init_from: str = Field(default="", description="a Hugging Face model folder (any causal LM, see model.source): "
+                           "its config.json gives the shape and its safetensors the initial weights; or a "
                            "crosstrain RUN_DIR, CHECKPOINT_DIR or FILE.safetensors (shape from model.*)")
     options: dict[str, Any] = Field(default_factory=dict, description="free-form arguments for a user model")
 

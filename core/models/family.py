@@ -42,6 +42,10 @@ class ModelFamily:
     - ``scalar_head(model, init)``: replace the LM head by a ``[dim -> 1]`` head in place (reward/value models).
     - ``parallel_plans``: ``{module class: {kind: fn}}`` registered with
       :func:`crosstrain.parallel.register_parallel_plan`, for classes that do not define the methods themselves.
+    - ``claims(config)``: True when this family takes the run whatever ``model.preset`` says (the generic
+      transformers path claims ``model.source = "transformers"`` and non-native ``model.init_from`` folders).
+    - ``path`` (``"native"`` or ``"generic"``), ``refuses`` (the options it refuses, one short phrase each) and
+      ``parallel_dims`` (the ``parallel.*`` dims above 1 it admits): what ``crosstrain models`` lists.
     """
 
     name: str
@@ -58,6 +62,10 @@ class ModelFamily:
     hf_adapters: Mapping[str, StateDictAdapter] = field(default_factory=dict)
     scalar_head: Callable[[nn.Module, str], None] | None = None
     parallel_plans: Mapping[type, Mapping[str, Callable[..., Any]]] = field(default_factory=dict)
+    claims: Callable[[Any], bool] | None = None
+    path: str = "native"
+    refuses: tuple[str, ...] = ()
+    parallel_dims: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp")
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class FamilyExtension:
 
     ``extra_params(cfg, config)``: parameters the transform adds to a model of config ``cfg`` in the run ``config``
     (0 when the plugin is off); ``inactive_params(model)``: parameters of a built model a token does not use;
+    ``parallel_dims``: the ``parallel.*`` dims it adds to the family's (``crosstrain models``);
     ``hf_adapters``: HF ``model_type`` -> adapter of the checkpoints the transformed models import and export.
     """
 
@@ -73,6 +82,7 @@ class FamilyExtension:
     family: str
     extra_params: Callable[[Any, Any], int]
     inactive_params: Callable[[nn.Module], int]
+    parallel_dims: tuple[str, ...] = ()
     hf_adapters: Mapping[str, StateDictAdapter] = field(default_factory=dict)
 
 
@@ -121,9 +131,10 @@ def _collect() -> tuple[dict[str, ModelFamily], list[FamilyExtension]]:
     """The built-in family, the in-process ones, then what plugins return from ``crosstrain_model_families`` now
     (a plugin unregistered later takes its family with it); a clashing one is reported as that plugin's error."""
     from crosstrain import pluginmanager
+    from crosstrain.models.generic.family import GENERIC_FAMILY
     from crosstrain.models.gpt_family import GPT_FAMILY
 
-    found = {GPT_FAMILY.name: GPT_FAMILY, **_FAMILIES}
+    found = {GPT_FAMILY.name: GPT_FAMILY, GENERIC_FAMILY.name: GENERIC_FAMILY, **_FAMILIES}
     exts = dict(_EXTENSIONS)
     problems: list[tuple[str, str]] = []
     for plugin_name, result in pluginmanager.call_each("crosstrain_model_families"):
@@ -175,6 +186,24 @@ def family_for_preset(preset: str) -> ModelFamily:
     raise ConfigError(f"unknown model.preset {preset!r}; allowed: {', '.join(allowed)}")
 
 
+def family_for_run(config: Any) -> ModelFamily:
+    """The family of a run: the first that :attr:`~ModelFamily.claims` it (``model.source``), else the one whose
+    presets hold ``model.preset``."""
+    for fam in families().values():
+        if fam.claims is not None and fam.claims(config):
+            return fam
+    return family_for_preset(config.model.preset)
+
+
+def native_model_types() -> dict[str, str]:
+    """Hugging Face ``model_type`` -> the native family that imports it (``model.source = "auto"`` picks it)."""
+    found, exts = _collect()
+    native = {name for name, fam in found.items() if fam.path == "native"}
+    out = {mt: fam.name for fam in found.values() if fam.name in native for mt in fam.hf_adapters}
+    out.update({mt: ext.family for ext in exts if ext.family in native for mt in ext.hf_adapters})
+    return out
+
+
 def family_of(model: nn.Module) -> ModelFamily | None:
     """The family whose model classes ``model`` is an instance of, or None (a ``model.import_path`` model)."""
     for fam in families().values():
@@ -185,12 +214,12 @@ def family_of(model: nn.Module) -> ModelFamily | None:
 
 def model_config(config: Any) -> Any:
     """The model config of a run (``config.model``) that builds a registered family's model."""
-    return family_for_preset(config.model.preset).config_from_run(config)
+    return family_for_run(config).config_from_run(config)
 
 
 def param_count(config: Any) -> int:
     """Parameters of the run's model, with what plugins' transforms add (MoE experts), without building it."""
-    fam = family_for_preset(config.model.preset)
+    fam = family_for_run(config)
     cfg = fam.config_from_run(config)
     return fam.param_count(cfg) + sum(ext.extra_params(cfg, config) for ext in extensions(fam.name))
 

@@ -158,4 +158,8 @@ GPT_FAMILY = ModelFamily(
     activation_bytes=activation_bytes,
     hf_adapters=ADAPTERS,
     scalar_head=scalar_head,
+    refuses=("rope scaling other than the default", "partial_rotary_factor", "sliding windows",
+             "attention_bias / mlp_bias (Qwen2's q/k/v biases apart)", "hidden_act other than silu",
+             "head_dim other than hidden_size / num_attention_heads", "pickle-only weights (.bin/.pth)",
+             "parallel.pp > 1 with tied embeddings"),
 )

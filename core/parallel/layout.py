@@ -34,9 +34,9 @@ def estimate_train_bytes(config: Any, micro_batch: int) -> int:
     """Bytes one DDP rank holds while training the run's model (a registered family's, see
     :mod:`crosstrain.models.family`, with what plugins' transforms add, such as MoE experts): the training state
     per parameter plus the family's activation estimate (sources in the module docstring)."""
-    from crosstrain.models.family import family_for_preset, param_count
+    from crosstrain.models.family import family_for_run, param_count
 
-    family = family_for_preset(config.model.preset)
+    family = family_for_run(config)
     state = param_count(config) * _STATE_BYTES.get(config.optim.name, _STATE_BYTES["adamw"])
     return state + family.activation_bytes(family.config_from_run(config), micro_batch, config.train.seq_len)
 

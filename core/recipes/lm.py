@@ -35,10 +35,11 @@ def build_model(config: Config) -> nn.Module:
             raise ConfigError(f"model.import_path {config.model.import_path!r} returned "
                               f"{type(model).__name__}, not a torch.nn.Module")
         return model
-    from crosstrain.models.family import family_for_preset
+    from crosstrain.models.family import family_for_run
 
-    model = family_for_preset(config.model.preset).build(gpt_config(config))
-    if config.model.init_from:
+    family = family_for_run(config)
+    model = family.build(gpt_config(config))
+    if config.model.init_from and family.path == "native":  # the generic path's build loads its own weights
         from crosstrain.checkpoint.resolve import source_kind
         from crosstrain.models.hf import load_hf_weights
 

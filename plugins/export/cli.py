@@ -43,6 +43,9 @@ def run_export(args: argparse.Namespace) -> int:
               f"{report['total_bytes'] / 1e6:.1f} MB {args.dtype}, tokenizer: {report['tokenizer']})")
         return 0
     loaded = load_model(source, best=args.best)
+    from crosstrain.plugins.export.hf_generic import refuse_native_only
+
+    refuse_native_only(loaded, args.format)
     result: dict[str, Any] = {"source": loaded.source, "format": args.format,
                               "params": loaded.model.num_params(), "config": loaded.config.to_dict()}
     if args.format == "safetensors":
@@ -92,7 +95,10 @@ def build_engine(model: str, engine: str, threads: int | None, workdir: str, bes
 
     loaded = load_model(model, best=best)
     if engine == "torch":
-        return TorchEngine(loaded.model, loaded.tokenizer)
+        return TorchEngine(loaded.model, loaded.tokenizer, loaded.config)
+    from crosstrain.plugins.export.hf_generic import refuse_native_only
+
+    refuse_native_only(loaded, "onnx (--engine onnxruntime)")
     from crosstrain.plugins.export.onnx_export import export_onnx
 
     report = export_onnx(loaded, Path(workdir) / "model.onnx")

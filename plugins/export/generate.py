@@ -44,11 +44,11 @@ class TorchEngine:
     ``(k, v)``), which is what the exported ONNX graph computes; benchmarks/export.py compares the two that way.
     """
 
-    def __init__(self, model: GPT, tokenizer: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: GPT, tokenizer: dict[str, Any] | None = None, config: Any = None) -> None:
         from crosstrain.plugins.export.loading import tokenizer_metadata
 
         self.model = model.eval()
-        self.config = model.config
+        self.config = config if config is not None else model.config  # a generic model: its GenericConfig
         self.tokenizer = tokenizer or tokenizer_metadata(model.config)
 
     def empty_cache(self, batch: int, max_len: int | None = None) -> StaticKVCache:

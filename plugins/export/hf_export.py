@@ -161,6 +161,11 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     out_path = Path(out).resolve()
     if out_path == Path(source).resolve():
         raise ExportError(f"--out {out_path} is the source folder; export into another folder")
+    from crosstrain.plugins.export.hf_generic import export_generic
+
+    generic = export_generic(source, out_path, max_shard_size=max_shard_size, dtype=dtype, best=best)
+    if generic is not None:  # a run on the generic (transformers) path: save_pretrained
+        return generic
     src = open_source(source, best=best)
     cfg, torch_dtype = src.config, DTYPES[dtype]
     # the config of the model_type it was imported from (a plugin's, e.g. Mixtral, writes its own), else Llama's

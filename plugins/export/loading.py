@@ -249,11 +249,18 @@ def load_model(path: str | os.PathLike[str] | Resolved, *, best: bool = False, w
     (a config key)."""
     if not isinstance(path, Resolved) and Path(path).suffix == ".onnx" and Path(path).is_file():
         raise ExportError(f"{path} is already an ONNX model; export needs a run dir, checkpoint or .safetensors file")
+    from crosstrain.plugins.export import hf_generic
+
     source = resolve_path(path, best=best, what=what)
     if source.kind == "safetensors":
         return load_safetensors_file(source.path)
     if source.kind == "hf":
+        if hf_generic.is_generic_folder(source.path):
+            return hf_generic.load_generic_folder(source.path)
         return load_hf_folder(source.path)
+    generic = hf_generic.generic_config(source)
+    if generic is not None:
+        return hf_generic.load_generic_checkpoint(source, generic)
     return load_checkpoint_dir(source)
 
 

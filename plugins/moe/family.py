@@ -47,7 +47,7 @@ def _extension() -> FamilyExtension:
     from crosstrain.plugins.moe.hf_adapter import ADAPTERS
 
     return FamilyExtension(name="moe", family="gpt", extra_params=extra_params, inactive_params=inactive_params,
-                           hf_adapters=ADAPTERS)
+                           parallel_dims=("ep",), hf_adapters=ADAPTERS)
 
 
 MOE_EXTENSION = _extension()

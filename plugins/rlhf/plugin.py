@@ -57,8 +57,9 @@ def crosstrain_transform_model(model: Any, config: Any, name: str) -> Any:
         raise ConfigError(f"lora.rank={lora.rank} exceeds the smallest adapted layer's dimension ({smallest}); set "
                           f"lora.rank <= {smallest}")
     if not add_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=list(lora.targets)):
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is nn.Linear})
         raise ConfigError(f"lora.targets={list(lora.targets)} matches no nn.Linear of model {name!r}; "
-                          "use names such as wq, wk, wv, wo, w1, w2, w3")
+                          f"use names of its linear layers: {', '.join(names[:10]) or 'none'}")
     if config.train.recipe == "rm" and getattr(model, "output", None) is not None:
         model.output.requires_grad_(True)
     return model

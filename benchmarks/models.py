@@ -1,0 +1,137 @@
+"""Native vs generic (issue 29): the same Llama-shaped model trained by crosstrain's own GPT and by transformers'
+``LlamaForCausalLM`` on the generic path (``model.source = "transformers"`` builds the preset's shape as a Llama
+config.json), under the same loop, layout (1 process), threads, batch, sequence length and optimizer.
+
+Throughput: both paths alternate in this process (one untimed warm-up run each, then ABBA order, ``--rounds``
+times, :func:`_timing.alternate`); each run's first ``--warmup`` step intervals are dropped and tokens/s is
+batch x seq / the median step time, read on ``--clock``: by default this process's CPU time (``--threads 1``
+on the CPU: the work of the step, unaffected by other jobs on a shared machine), or ``wall``.
+``parallel.compile`` is the same for both (``--compile``, default false: the models compared, not the compiler's
+choice). Peak memory is measured apart, each path in a fresh process (this
+script with ``--memory PATH``): on an accelerator the allocator's peak, on the CPU the growth of the peak resident
+set over the training run (transformers imported in both, before the measurement starts).
+
+    python benchmarks/models.py [--preset small] [--rounds 3] [--quick]
+
+Last line: JSON with ``native_vs_transformers`` (native tokens/s / generic tokens/s; target >= 1.3) and
+``memory_ratio`` (native peak / generic peak; target <= 1.0), with per-path detail.
+(benchmarks/attention_masks.py reports ``window_mem_ratio``, the attention-mask half of issue 29's benchmark.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import alternate, step_clock  # noqa: E402
+
+PATHS = ("native", "transformers")
+
+
+def _sets(path: str, args: argparse.Namespace, out: str) -> list[str]:
+    return ["backend=auto", f"model.preset={args.preset}", "model.vocab_size=256", f"model.source={path}",
+            f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.seq_len={args.seq}",
+            f"train.threads={args.threads}", f"parallel.compile={args.compile}", "logging.progress=none",
+            "eval.every=0",
+            "checkpoint.every=0", "schedule.warmup_steps=0", f"train.output_dir={out}"]
+
+
+def train(path: str, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
+    """One run on ``path``: its step intervals and summary."""
+    from crosstrain.config import load_config
+    from crosstrain.engine import Trainer
+
+    clock_fn = time.process_time if args.clock == "cpu" else time.perf_counter
+    with tempfile.TemporaryDirectory(prefix=f"bench-models-{path}-") as out, step_clock(clock_fn) as clock:
+        summary = Trainer(load_config(None, _sets(path, args, out)), run_dir=out).fit()
+    return clock.intervals, summary
+
+
+def memory(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Peak memory of one short run on ``path`` in this (fresh) process."""
+    import torch
+    import transformers  # noqa: F401  (imported before the baseline, for both paths alike)
+
+    from crosstrain.hostmem import current_rss, peak_rss, reset_peak_rss
+
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accel is not None:
+        torch.accelerator.reset_peak_memory_stats()
+    reset_peak_rss()
+    base = current_rss()
+    _, summary = train(path, args)
+    if accel is not None:
+        return {"peak_bytes": int(torch.accelerator.max_memory_allocated()), "measure": f"{accel.type} allocator",
+                "loss": summary["losses"][-1]}
+    return {"peak_bytes": peak_rss() - base, "measure": "cpu peak RSS growth", "loss": summary["losses"][-1]}
+
+
+def _memory_in_fresh_process(path: str, argv: list[str]) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--memory", path], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", default="false",
+                        help="parallel.compile for both paths (auto: crosstrain's choice)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu: this process's CPU seconds per step (robust to other jobs on a shared machine, "
+                             "exact for one thread on the CPU); wall: wall seconds (use on an accelerator)")
+    parser.add_argument("--quick", action="store_true", help="shorter runs: 8 steps, 2 rounds, seq 128")
+    parser.add_argument("--memory", choices=PATHS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.seq = 8, 2, 128
+    if args.memory:
+        print(json.dumps(memory(args.memory, args)))
+        return
+    import torch
+
+    torch.set_num_threads(args.threads)
+    for path in PATHS:  # untimed warm-up of each path (imports, allocator)
+        train(path, args)
+    compiled: dict[str, Any] = {}
+
+    def timed(path: str, r: int) -> list[float]:
+        intervals, summary = train(path, args)
+        compiled[path] = summary["defaults"]["compile"]["enabled"]
+        return intervals[args.warmup:]
+
+    runs = alternate(PATHS, args.rounds, timed)
+    tokens = args.batch * args.seq
+    tps = {path: tokens / statistics.median([s for run in runs[path] for s in run]) for path in PATHS}
+    passthrough = [f"--preset={args.preset}", f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}",
+                   f"--threads={args.threads}", f"--compile={args.compile}"]
+    mem = {path: _memory_in_fresh_process(path, passthrough) for path in PATHS}
+    # issue 29's third figure, window_mem_ratio, is measured by benchmarks/attention_masks.py; fold it in here
+    result = {
+        "native_vs_transformers": round(tps["native"] / tps["transformers"], 3),
+        "memory_ratio": round(mem["native"]["peak_bytes"] / max(mem["transformers"]["peak_bytes"], 1), 3),
+        "tokens_per_s": {p: round(v, 1) for p, v in tps.items()},
+        "peak_bytes": {p: m["peak_bytes"] for p, m in mem.items()}, "memory_measure": mem["native"]["measure"],
+        "preset": args.preset, "batch": args.batch, "seq_len": args.seq, "threads": args.threads,
+        "steps": args.steps, "rounds": args.rounds, "compile": args.compile, "clock": args.clock,
+        "compiled": {p: s for p, s in compiled.items()},
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
