@@ -147,9 +147,10 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, max_shard_size: str | int = "5GB",
-              dtype: str = "float32", best: bool = False) -> dict[str, Any]:
+              dtype: str = "float32", best: bool = False,
+              weights: Callable[[WeightSource], WeightSource] | None = None) -> dict[str, Any]:
     """Export ``source`` (with ``best``: a run's best checkpoint) as a Hugging Face folder ``out``; returns a
-    report (files, shards, bytes, model_type)."""
+    report (files, shards, bytes, model_type). ``weights`` changes the tensors read (e.g. dequantised QAT weights)."""
     from crosstrain.models.hf import adapter_for, hf_config_from_gpt, parse_size, plan_shards, write_weights
 
     if dtype not in DTYPES:
@@ -158,6 +159,8 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     if out_path == Path(source).resolve():
         raise ExportError(f"--out {out_path} is the source folder; export into another folder")
     src = open_source(source, best=best)
+    if weights is not None:
+        src = weights(src)
     cfg, torch_dtype = src.config, DTYPES[dtype]
     hf_config = hf_config_from_gpt(cfg, base=src.base_config, dtype=dtype, eos_id=src.tokenizer.get("eos_id"))
     adapter = adapter_for(hf_config["model_type"])

@@ -84,3 +84,62 @@ def export_quantized_onnx(loaded: Any, out: str | os.PathLike[str], scheme: Sche
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return QuantExportReport(str(out_path), scheme.name, scheme.group_size, ptq, parity, size,
                              quantized_bytes(weights), len(weights), files)
+
+
+def trained_scheme(source: Any) -> Scheme | None:
+    """The scheme ``source`` (a :class:`~crosstrain.checkpoint.resolve.Resolved`) was trained with: its run's
+    ``[quant]``, or None (trained in floating point, or no run config beside it)."""
+    from crosstrain.plugins.compress.qat.schemes import scheme
+    from crosstrain.plugins.export.loading import run_config
+
+    config = run_config(source.run_dir)
+    if config is None:
+        return None
+    quant = config.section("quant")
+    return None if quant.qat == "none" else scheme(quant.qat, quant.group_size)
+
+
+def pick_scheme(source: Any, quantize: str | None, ptq: str | None, group_size: int | None) -> tuple[Scheme, bool]:
+    """The scheme to export with and whether it is post-training quantization: ``--quantize [SCHEME]`` exports a
+    QAT run as trained; ``--ptq SCHEME`` quantises a run trained in floating point. One-line errors otherwise."""
+    from crosstrain.errors import ConfigError
+    from crosstrain.plugins.compress.qat.schemes import scheme
+
+    trained = trained_scheme(source)
+    if ptq is not None:
+        if trained is not None:
+            raise ConfigError(f"{source.path} was trained with QAT (quant.qat={trained.name!r}); export it with "
+                              "--quantize, not --ptq")
+        return scheme(ptq, group_size or 32), True
+    if trained is None:
+        raise ConfigError(f"{source.path} was not trained with QAT (quant.qat=\"none\" or no run config); pass "
+                          "--ptq SCHEME for post-training quantization")
+    if quantize not in (None, "trained", trained.name) or group_size not in (None, trained.group_size):
+        raise ConfigError(f"{source.path} was trained with quant.qat={trained.name!r}, group_size "
+                          f"{trained.group_size}; drop the scheme/--group-size from --quantize to export it as trained")
+    return trained, False
+
+
+def dequantised_weights(src: Any, scheme: Scheme) -> Any:
+    """``src`` (an hf_export ``WeightSource``) whose quantised layers' weights read as ``q * s``: the values the
+    fake-quantised model computes with, in a floating-point folder transformers loads."""
+    import dataclasses
+
+    import torch
+
+    from crosstrain.models.gpt import GPT
+    from crosstrain.plugins.compress.qat.fake_quant import fake_quant_weight
+    from crosstrain.plugins.compress.qat.linear import check_layers, quantizable
+
+    with torch.device("meta"):
+        layers = quantizable(GPT(src.config))
+    check_layers(layers, scheme, src.source)
+    groups = {f"{n}.weight": scheme.weight_group(m.in_features) for n, m in layers.items()}
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        out = src.load(names)
+        with torch.no_grad():
+            return {n: fake_quant_weight(t.float(), scheme.weight_bits, groups[n]).to(t.dtype) if n in groups else t
+                    for n, t in out.items()}
+
+    return dataclasses.replace(src, load=load)
