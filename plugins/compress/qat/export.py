@@ -56,9 +56,9 @@ def export_quantized_onnx(loaded: Any, out: str | os.PathLike[str], scheme: Sche
     weights, checked in onnxruntime against the fake-quantised model; on any failure nothing is left at ``out``."""
     import onnx
 
+    from crosstrain.plugins.compress.qat.onnx_weights import integer_weights
     from crosstrain.plugins.export.onnx_export import _publish, metadata, trace_to_onnx
     from crosstrain.plugins.export.parity import check_parity
-    from crosstrain.plugins.compress.qat.onnx_weights import integer_weights
 
     out_path = Path(out)
     if out_path.suffix != ".onnx" or out_path.is_dir():
