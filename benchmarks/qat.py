@@ -1,8 +1,10 @@
 """Quantization-aware training vs post-training quantization, side by side in one run (issue 30).
 
-Two runs on the embedded corpus with equal steps, data and seed: ``fp32`` (``quant.qat = "none"``) and ``qat``
-(``quant.qat = "int8-act-int4-weight"`` **from the first step**). On the held-out split (``crosstrain eval``'s
-evaluation, whole validation part):
+Two runs on the embedded corpus with equal total steps, data and seed: ``fp32`` (``quant.qat = "none"``, N steps)
+and ``qat``: the same run resumed from its checkpoint at step N - K and **fine-tuned with fake quantisation**
+(``quant.qat = "int8-act-int4-weight"``) for the last K steps (torchao's recipe: QAT as a fine-tune of a trained
+model), so the step count, data order and LR schedule are the fp32 run's. On the held-out split (``crosstrain
+eval``'s evaluation, whole validation part):
 
 - ``loss_fp32``: the fp32 run in floating point;
 - ``loss_ptq``: the same fp32 weights, fake-quantised with the scheme (post-training quantization: the eval is
@@ -28,21 +30,21 @@ from pathlib import Path
 SCHEME = "int8-act-int4-weight"
 
 
-def _config(args: argparse.Namespace, qat: str):  # type: ignore[no-untyped-def]
+def _config(args: argparse.Namespace, qat: str, *extra: str):  # type: ignore[no-untyped-def]
     from crosstrain.config import load_config
 
-    return load_config(None, [
+    return load_config(None, [*extra,
         "backend=cpu", "model.preset=tiny", f"model.dim={args.dim}", f"model.n_layers={args.layers}",
         f"train.steps={args.steps}", f"train.batch_size={args.batch_size}", f"train.seq_len={args.seq_len}",
-        "eval.every=0", "checkpoint.every=0", "checkpoint.final=true", "logging.progress=none",
-        "logging.tensorboard=false", "schedule.warmup_steps=10", f"train.seed={args.seed}",
+        f"model.ffn_dim={args.ffn_dim}", "eval.every=0", "checkpoint.final=true", "checkpoint.keep_last=10",
+        "logging.progress=none", "logging.tensorboard=false", "schedule.warmup_steps=10", f"train.seed={args.seed}",
         f"quant.qat={qat}", f"quant.group_size={args.group_size}"])
 
 
-def _train(args: argparse.Namespace, qat: str, run_dir: Path) -> Path:
+def _train(args: argparse.Namespace, qat: str, run_dir: Path, *extra: str) -> Path:
     from crosstrain.engine import Trainer
 
-    Trainer(_config(args, qat), run_dir=str(run_dir)).fit()
+    Trainer(_config(args, qat, *extra), run_dir=str(run_dir)).fit()
     return run_dir / "checkpoints" / f"step_{args.steps}"
 
 
@@ -70,11 +72,14 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--qat-steps", type=int, default=0, help="K: fine-tune steps with fake quantisation (0: N / 2)")
+    p.add_argument("--ffn-dim", type=int, default=384, help="a multiple of --group-size")
+    p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.quick:
-        args.steps, args.batch_size, args.seq_len = 200, 8, 64
+        args.steps, args.batch_size, args.seq_len = 300, 8, 64
+    k = args.qat_steps or args.steps // 2
 
     import torch
 
@@ -87,8 +92,9 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="crosstrain-qat-bench-") as tmp:
         root = Path(tmp)
-        fp_ckpt = _train(args, "none", root / "fp32")
-        qat_ckpt = _train(args, SCHEME, root / "qat")
+        fp_ckpt = _train(args, "none", root / "fp32", f"checkpoint.every={args.steps - k}")
+        qat_ckpt = _train(args, SCHEME, root / "qat", "checkpoint.every=0",
+                          f"checkpoint.resume={root / 'fp32' / 'checkpoints' / f'step_{args.steps - k}'}")
         train_s = time.perf_counter() - t0
         loss_fp32 = _eval(args, "none", fp_ckpt)
         loss_ptq = _eval(args, SCHEME, fp_ckpt)
@@ -101,8 +107,8 @@ def main() -> None:
         q_bytes = (root / "qat.onnx").stat().st_size
     gap = loss_ptq - loss_fp32
     result = {
-        "scheme": SCHEME, "group_size": args.group_size, "steps": args.steps, "qat_from_step": 0,
-        "model": {"preset": "tiny", "dim": args.dim, "n_layers": args.layers},
+        "scheme": SCHEME, "group_size": args.group_size, "steps": args.steps, "qat_from_step": args.steps - k,
+        "model": {"preset": "tiny", "dim": args.dim, "n_layers": args.layers, "ffn_dim": args.ffn_dim},
         "loss_fp32": loss_fp32, "loss_ptq": loss_ptq, "loss_qat": loss_qat, "loss_qat_weights_fp": with_fp,
         "recovery": (loss_ptq - loss_qat) / gap if gap > 0 else None,
         "size_ratio": q_bytes / fp_bytes, "size_ratio_vs_raw_fp32_export": q_bytes / fp_bytes_raw,
