@@ -28,6 +28,10 @@ def run_export(args: argparse.Namespace) -> int:
     for flag, value in (("--tolerance", args.tolerance), ("--int8-tolerance", args.int8_tolerance)):
         if not value >= 0:
             raise ExportError(f"{flag} must be >= 0 (a max abs logit error), got {value}")
+    if getattr(args, "quantize", None) is not None or getattr(args, "ptq", None) is not None:
+        from crosstrain.plugins.compress.qat.cli import run_quantized_export
+
+        return run_quantized_export(args, Path(args.out) if args.out else None)
     source = Path(args.source)
     out = Path(args.out) if args.out else default_out(source, args.format)
     if args.format == "safetensors" and out.suffix != ".safetensors":
@@ -156,6 +160,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="hf: dtype of the written weights")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from crosstrain.plugins.compress.qat.cli import add_arguments as add_quant_arguments
+
+    add_quant_arguments(p)
     p.set_defaults(func=run_export)
 
     g = sub.add_parser("generate", help="generate text from an exported or trained model (KV cache)")

@@ -150,9 +150,10 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, max_shard_size: str | int = "5GB",
-              dtype: str = "float32", best: bool = False) -> dict[str, Any]:
+              dtype: str = "float32", best: bool = False,
+              weights: Callable[[WeightSource], WeightSource] | None = None) -> dict[str, Any]:
     """Export ``source`` (with ``best``: a run's best checkpoint) as a Hugging Face folder ``out``; returns a
-    report (files, shards, bytes, model_type)."""
+    report (files, shards, bytes, model_type). ``weights`` changes the tensors read (e.g. dequantised QAT weights)."""
     from crosstrain.models.hf import adapter_for, parse_size, plan_shards, write_weights
     from crosstrain.models.hf.adapter import find_adapter
 
@@ -167,6 +168,8 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     if generic is not None:  # a run on the generic (transformers) path: save_pretrained
         return generic
     src = open_source(source, best=best)
+    if weights is not None:
+        src = weights(src)
     cfg, torch_dtype = src.config, DTYPES[dtype]
     # the config of the model_type it was imported from (a plugin's, e.g. Mixtral, writes its own), else Llama's
     origin = find_adapter((src.base_config or {}).get("model_type")) or adapter_for("llama")

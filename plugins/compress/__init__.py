@@ -1,0 +1,1 @@
+"""Model compression: quantization-aware training (:mod:`.qat`) and knowledge distillation."""

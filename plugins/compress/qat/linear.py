@@ -1,0 +1,93 @@
+"""Fake-quantised linear layers: every ``nn.Linear`` of a model becomes a :class:`FakeQuantLinear` in place.
+
+The swap keeps the class's parameter names (``wq.weight``), so checkpoints, FSDP2 sharding plans and export keep
+their layout; under FSDP2 the forward sees the all-gathered weight, so quantisation groups never straddle shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from crosstrain.errors import ConfigError
+from crosstrain.plugins.compress.qat.fake_quant import fake_quant_per_token, fake_quant_weight
+from crosstrain.plugins.compress.qat.schemes import Scheme
+
+#: Layers left in floating point: an MoE router's logits pick experts, and a flipped choice costs more than int8
+#: saves on a layer this small (the common practice of torchao's and NeMo's QAT recipes).
+SKIPPED = ("router",)
+
+
+class FakeQuantLinear(nn.Linear):
+    """An ``nn.Linear`` whose input (per token) and weight (per channel or group) are fake-quantised;
+    made from an existing Linear by :func:`quantize_linears`."""
+
+    qat_scheme: Scheme
+    qat_enabled: bool
+    qat_weight_ready: bool  # the weight already holds dequantised integers (the export's converted model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.qat_enabled:
+            return F.linear(x, self.weight, self.bias)
+        s = self.qat_scheme
+        if s.act_bits:
+            x = fake_quant_per_token(x, s.act_bits)
+        w = self.weight
+        if not self.qat_weight_ready:
+            w = fake_quant_weight(w, s.weight_bits, s.weight_group(self.in_features))
+        return F.linear(x, w, self.bias)
+
+
+def quantizable(model: nn.Module) -> dict[str, nn.Linear]:
+    """The layers :func:`quantize_linears` converts: plain ``nn.Linear`` s, not a router, not sharing their
+    weight with an embedding (a tied output head stays as trained)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {name: m for name, m in model.named_modules()
+            if type(m) is nn.Linear and name.rsplit(".", 1)[-1] not in SKIPPED and id(m.weight) not in embedded}
+
+
+def check_layers(layers: dict[str, nn.Linear], scheme: Scheme, what: str) -> None:
+    """One-line errors for a model QAT cannot convert."""
+    if not layers:
+        raise ConfigError(f"quant.qat={scheme.name!r}: {what} has no nn.Linear layer to fake-quantise; set "
+                          "quant.qat=\"none\" for this model")
+    for name, m in layers.items():
+        group = scheme.weight_group(m.in_features)
+        if m.in_features % group:
+            raise ConfigError(f"quant.group_size={group} does not divide {name}.in_features={m.in_features} of "
+                              f"{what}; set quant.group_size to a divisor of every linear layer's input size")
+
+
+def quantize_linears(model: nn.Module, scheme: Scheme, what: str = "the model") -> list[str]:
+    """Turn every :func:`quantizable` layer of ``model`` into a :class:`FakeQuantLinear` (in place); returns their
+    names. Checks all layers before changing any."""
+    layers = quantizable(model)
+    check_layers(layers, scheme, what)
+    for m in layers.values():
+        m.__class__ = FakeQuantLinear
+        m.qat_scheme = scheme  # type: ignore[attr-defined]
+        m.qat_enabled = True  # type: ignore[attr-defined]
+        m.qat_weight_ready = False  # type: ignore[attr-defined]
+    return list(layers)
+
+
+def fake_quant_layers(model: nn.Module) -> list[FakeQuantLinear]:
+    """The :class:`FakeQuantLinear` s inside ``model`` (wrapped by FSDP/DDP or not)."""
+    return [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
+
+
+@contextlib.contextmanager
+def fake_quant_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` in floating point inside the block (its fp loss, next to the fake-quantised one)."""
+    layers = fake_quant_layers(model)
+    for m in layers:
+        m.qat_enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.qat_enabled = True
