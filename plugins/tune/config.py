@@ -20,6 +20,10 @@ class TuneRunSection(BaseModel):
     study: str = Field(default="", description="the study's name")
     trial: int = Field(default=-1, ge=-1, description="Optuna trial id this run is (-1: not a trial)")
     intermediate: str = Field(default="eval/loss", description="the step metric reported as intermediate value")
+    pruner: Literal["none", "median", "hyperband", "asha"] = Field(default="none", description="the search's pruner "
+                                                                   "(Optuna does not store it with the study)")
+    startup_trials: int = Field(default=2, ge=0, description="median pruner: trials that are never pruned")
+    warmup_steps: int = Field(default=0, ge=0, description="median pruner: no pruning before this step")
 
 
 class SearchSettings(BaseModel):

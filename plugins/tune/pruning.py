@@ -14,16 +14,18 @@ PRUNED_AT = "pruned_at_step"
 _trials: dict[tuple[str, str, int], Any] = {}
 
 
-def _trial(storage_url: str, study: str, trial_id: int) -> Any:
-    key = (storage_url, study, trial_id)
+def _trial(config: Any) -> Any:
+    section = config.section("tune")
+    key = (section.storage, section.study, section.trial)
     if key not in _trials:
         import optuna
 
-        from crosstrain.plugins.tune.study import open_storage
+        from crosstrain.plugins.tune.study import make_pruner, open_storage
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        loaded = optuna.load_study(study_name=study, storage=open_storage(storage_url))
-        _trials[key] = optuna.trial.Trial(loaded, trial_id)
+        pruner = make_pruner(section, config.train.steps, config.eval.every or config.train.steps)
+        loaded = optuna.load_study(study_name=section.study, storage=open_storage(section.storage), pruner=pruner)
+        _trials[key] = optuna.trial.Trial(loaded, section.trial)
     return _trials[key]
 
 
@@ -35,7 +37,7 @@ def report(context: Any, step: int, metrics: dict[str, float]) -> bool:
         return False
     import warnings
 
-    trial = _trial(section.storage, section.study, section.trial)
+    trial = _trial(context.config)
     with warnings.catch_warnings():  # a resumed trial re-reports a step it reported before: Optuna keeps the first
         warnings.simplefilter("ignore")
         trial.report(float(value), step)

@@ -85,7 +85,8 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
     url = storage or default_storage(out_dir)
     threads = max(1, (os.cpu_count() or 1) // (jobs * (nproc or 1)))
     command = TrialCommand(tuple(sets), config_path, nproc, threads, url, study or name,
-                           "eval/" + settings.metric[len("eval_"):] if settings.metric.startswith("eval_") else "")
+                           "eval/" + settings.metric[len("eval_"):] if settings.metric.startswith("eval_") else "",
+                           (settings.pruner, settings.startup_trials, settings.warmup_steps))
     values = {p.key: base_value(base, p.key) for p in params}
     enqueue = values if settings.base_first and all(p.contains(values[p.key]) for p in params) else None
     return Search(settings, params, study or name, url, out_dir, trials, jobs, command, base, enqueue)

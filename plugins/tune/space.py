@@ -157,3 +157,38 @@ def base_value(config: Any, key: str) -> Any:
             return None
         node = node.get(part)
     return node
+
+
+def sample(param: Param, rng: Any) -> Any:
+    """A random point of ``param`` (``rng``: a ``random.Random``): uniform, log-uniform or one of the choices."""
+    if param.choices:
+        return rng.choice(param.choices)
+    assert param.low is not None and param.high is not None
+    if param.log:
+        value = math.exp(rng.uniform(math.log(param.low), math.log(param.high)))
+    else:
+        value = rng.uniform(param.low, param.high)
+    return snap(param, value)
+
+
+def snap(param: Param, value: float) -> Any:
+    """``value`` clipped into the range and onto its ``step`` grid (an int for an integer range)."""
+    assert param.low is not None and param.high is not None
+    value = min(max(value, param.low), param.high)
+    if param.step:
+        value = param.low + round((value - param.low) / param.step) * param.step
+        value = min(value, param.high)
+    return int(round(value)) if param.integer else float(value)
+
+
+def distribution(param: Param) -> Any:
+    """The Optuna distribution of ``param`` (to record trials the search did not ask Optuna for)."""
+    import optuna
+
+    if param.choices:
+        return optuna.distributions.CategoricalDistribution(list(param.choices))
+    if param.integer:
+        return optuna.distributions.IntDistribution(int(param.low or 0), int(param.high or 0),
+                                                    step=int(param.step or 1), log=param.log)
+    return optuna.distributions.FloatDistribution(float(param.low or 0), float(param.high or 0), step=param.step,
+                                                  log=param.log)

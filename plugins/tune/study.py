@@ -67,9 +67,10 @@ def make_sampler(settings: SearchSettings, params: list[Param]) -> Any:
     return optuna.samplers.TPESampler(seed=seed)
 
 
-def make_pruner(settings: SearchSettings, steps: int, eval_every: int) -> Any:
+def make_pruner(settings: Any, steps: int, eval_every: int) -> Any:
     """Median (Optuna's MedianPruner), Hyperband (Li et al. 2018) or ASHA (Li et al. 2020, successive halving)
-    over the trial's eval steps; ``none`` never prunes."""
+    over the trial's eval steps; ``none`` never prunes. ``settings``: a space file's or a run's ``[tune]``
+    (the tuner and each trial's rank 0 build the same pruner: Optuna does not store it with the study)."""
     import optuna
 
     if settings.pruner == "median":

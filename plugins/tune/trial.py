@@ -26,12 +26,13 @@ class TrialCommand:
     storage: str
     study: str
     intermediate: str
-    quiet: bool = True
+    pruner: tuple[str, int, int] = ("none", 0, 0)  # name, startup trials, warmup steps
 
     def argv(self, run_dir: Path, params: dict[str, Any], trial_id: int, extra: tuple[str, ...] = ()) -> list[str]:
         sets = [*self.base_sets, *(as_set(k, v) for k, v in params.items()), *extra,
                 f"tune.storage={self.storage}", f"tune.study={self.study}", f"tune.trial={trial_id}",
-                f"tune.intermediate={self.intermediate}"]
+                f"tune.intermediate={self.intermediate}", f"tune.pruner={self.pruner[0]}",
+                f"tune.startup_trials={self.pruner[1]}", f"tune.warmup_steps={self.pruner[2]}"]
         if self.threads and not any(s.startswith("train.threads=") for s in self.base_sets):
             sets.append(f"train.threads={self.threads}")
         argv = [sys.executable, "-m", "crosstrain", "train", *([self.config_path] if self.config_path else [])]
