@@ -151,8 +151,12 @@ def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None)
             if t.state != TrialState.RUNNING or not run_dir or not Path(run_dir).is_dir():
                 continue  # another machine's trial (its run dir is not here) is left to that machine
             claim = Claim(Path(run_dir))
-            if claim.try_acquire():
+            if not claim.try_acquire():
+                continue  # its tuner is alive
+            # its tuner may have told the trial and released the claim since the read above: read it again
+            if _state(study, t.number) == TrialState.RUNNING:
                 return optuna.trial.Trial(study, t._trial_id), claim, True
+            claim.release()
         if len(trials) >= limit:
             return None
         if enqueue is not None and not trials:
@@ -165,3 +169,8 @@ def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None)
             raise ConfigError(f"{run_dir} is held by another process; pass another --out or --study")
         trial.set_user_attr("run_dir", str(run_dir.resolve()))
         return trial, claim, False
+
+
+def _state(study: Any, number: int) -> Any:
+    """A trial's state as the storage has it now (unfinished trials are read again on every ``get_trials``)."""
+    return next(t.state for t in study.get_trials(deepcopy=False) if t.number == number)
