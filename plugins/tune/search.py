@@ -76,6 +76,9 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
         raise ConfigError(f"--nproc={nproc} must be >= 1")
     base = check_keys(params, sets, config_path)
     check_metric(settings, base)
+    from crosstrain.plugins.tune.study import make_sampler
+
+    make_sampler(settings, params)  # a grid over a continuous range, a missing cmaes: refused before anything exists
     sets = list(sets)
     if not base.checkpoint.every:  # a trial killed with its tuner resumes from its last evaluation
         sets.append(f"checkpoint.every={base.eval.every or max(1, base.train.steps // 4)}")
