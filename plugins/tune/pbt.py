@@ -71,7 +71,7 @@ def run_pbt(settings: SearchSettings, params: list[Param], name: str, **common: 
     if state_path.is_file():
         state = json.loads(state_path.read_text())
     else:
-        members = []
+        members: list[dict[str, Any]] = []
         for i in range(settings.population):
             chosen = {p.key: sample(p, rng) for p in params}
             if i == 0 and search.enqueue is not None:
@@ -96,9 +96,9 @@ def run_pbt(settings: SearchSettings, params: list[Param], name: str, **common: 
                 extra.append(f"checkpoint.resume={member['resume_from']}")
             code = command.run(run_dir, member["params"], -1, tuple(extra))
             value = _value_at(run_dir, metric_key, end)
+            shown = f"exit {code}" if code else ("no value" if value is None else f"{value:.4f}")
             with lock:
-                print(f"crosstrain tune: pbt round {r} member {i} {member['params']} -> "
-                      f"{'exit %d' % code if code else f'{value:.4f}'}", file=log, flush=True)
+                print(f"crosstrain tune: pbt round {r} member {i} {member['params']} -> {shown}", file=log, flush=True)
             if code or value is None:
                 raise ConfigError(f"pbt member {i} failed in round {r} (exit {code}); see {run_dir}/tune_trial.log")
             return value

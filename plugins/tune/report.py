@@ -69,9 +69,9 @@ def write_report(folder: str, storage: str | None = None, study: str | None = No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
         for name, plot in plots.items():
-            ax = plot(loaded)
-            ax.figure.savefig(out / name, dpi=100, bbox_inches="tight")
-            plt.close(ax.figure)
+            figure: Any = plot(loaded).figure
+            figure.savefig(out / name, dpi=100, bbox_inches="tight")
+            plt.close(figure)
     summary = {
         "study": loaded.study_name,
         "best_value": best.value if best else None,

@@ -91,7 +91,9 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
                            "eval/" + settings.metric[len("eval_"):] if settings.metric.startswith("eval_") else "",
                            (settings.pruner, settings.startup_trials, settings.warmup_steps))
     values = {p.key: base_value(base, p.key) for p in params}
-    enqueue = values if settings.base_first and settings.sampler != "grid" and all(p.contains(values[p.key]) for p in params) else None
+    # the grid sampler would draw the base point again; other samplers learn from it like any trial
+    first = settings.base_first and settings.sampler != "grid" and all(p.contains(values[p.key]) for p in params)
+    enqueue = values if first else None
     return Search(settings, params, study or name, url, out_dir, trials, jobs, command, base, enqueue)
 
 

@@ -33,6 +33,7 @@ class Param:
         """Optuna's ``suggest_*`` for this key."""
         if self.choices:
             return trial.suggest_categorical(self.key, list(self.choices))
+        assert self.low is not None and self.high is not None
         if self.integer:
             return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
         return trial.suggest_float(self.key, float(self.low), float(self.high), step=self.step, log=self.log)
