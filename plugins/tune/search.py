@@ -4,6 +4,7 @@ left RUNNING) until the study holds N, each trial a ``crosstrain train`` run tol
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -36,6 +37,15 @@ class Search:
     base: Any
     enqueue: dict[str, Any] | None
     errors: list[BaseException] = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    running: set[Any] = field(default_factory=set)
+
+    def stop(self, *_: Any) -> None:
+        """SIGTERM or Ctrl-C: each running trial saves a checkpoint and exits (crosstrain's preemption), nothing
+        more is started and nothing is told, so the same command resumes those trials."""
+        self.stopping.set()
+        for proc in list(self.running):
+            proc.send_signal(signal.SIGTERM)
 
 
 def check_metric(settings: SearchSettings, base: Any) -> None:
@@ -111,12 +121,25 @@ def run(search: Search, log: Any = sys.stderr) -> dict[str, Any]:
                        cfg.eval.every or cfg.train.steps)
     workers = [threading.Thread(target=_worker, args=(search, study, storage, log), name=f"tune-job-{i}")
                for i in range(search.jobs)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, search.stop) if main else None
+    try:
+        for w in workers:
+            w.start()
+        while any(w.is_alive() for w in workers):
+            try:
+                for w in workers:
+                    w.join(timeout=0.5)
+            except KeyboardInterrupt:
+                search.stop()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     if search.errors:
         raise search.errors[0]
+    if search.stopping.is_set():
+        print("crosstrain tune: stopped; the running trials saved a checkpoint. Run the same command to resume them",
+              file=log, flush=True)
     return result(study, search.storage_url)
 
 
@@ -124,7 +147,7 @@ def _worker(search: Search, study: Any, storage: Any, log: Any) -> None:
     from crosstrain.plugins.tune.study import take_next
 
     try:
-        while True:
+        while not search.stopping.is_set():
             got = take_next(study, search.out, search.trials, search.enqueue)
             if got is None:
                 return
@@ -146,8 +169,10 @@ def _run_trial(search: Search, study: Any, storage: Any, trial: Any, resumed: bo
     what = "resuming" if resumed else "starting"
     print(f"crosstrain tune: {what} trial {trial.number} {params} in {run_dir}", file=log, flush=True)
     if pruned_at is None:
-        code = search.command.run(run_dir, params, trial._trial_id)
+        code = search.command.run(run_dir, params, trial._trial_id, running=search.running)
         pruned_at = storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT)
+        if search.stopping.is_set() and pruned_at is None:
+            return  # stopped by the user: left RUNNING, resumed by the next tuner
     else:
         code = 0  # pruned before its tuner died: its checkpoint is kept, nothing to train
     if code != 0:

@@ -43,18 +43,26 @@ class TrialCommand:
             argv += ["--nproc", str(self.nproc)]
         return argv
 
-    def run(self, run_dir: Path, params: dict[str, Any], trial_id: int, extra: tuple[str, ...] = ()) -> int:
+    def run(self, run_dir: Path, params: dict[str, Any], trial_id: int, extra: tuple[str, ...] = (),
+            running: set[subprocess.Popen] | None = None) -> int:
         """Train to the end (or until pruned); the exit code. The child arms :mod:`crosstrain.parentwatch`
-        against this process, so a tuner killed with SIGKILL takes its trial (and that trial's workers) along."""
+        against this process, so a tuner killed with SIGKILL takes its trial (and that trial's workers) along;
+        ``running`` holds the child while it runs (the tuner forwards SIGTERM to it)."""
         env = dict(os.environ)
         env[ENV_LAUNCHER_PID] = str(os.getpid())
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "tune_trial.log", "ab") as log:
-            proc = subprocess.run(self.argv(run_dir, params, trial_id, extra), env=env, stdin=subprocess.DEVNULL,
-                                  stdout=log, stderr=subprocess.STDOUT, check=False)
-        return proc.returncode
+            proc = subprocess.Popen(self.argv(run_dir, params, trial_id, extra), env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT)
+            if running is not None:
+                running.add(proc)
+            try:
+                return proc.wait()
+            finally:
+                if running is not None:
+                    running.discard(proc)
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
