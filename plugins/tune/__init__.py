@@ -1,0 +1,1 @@
+"""Hyperparameter search on Optuna: ``crosstrain tune`` (docs/tune.md)."""

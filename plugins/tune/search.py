@@ -1,0 +1,214 @@
+"""``crosstrain tune``'s search: check everything, then K workers take trials (new ones, or ones a dead tuner
+left RUNNING) until the study holds N, each trial a ``crosstrain train`` run told to Optuna when it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crosstrain.errors import ConfigError
+from crosstrain.plugins.tune.config import SearchSettings
+from crosstrain.plugins.tune.pruning import PRUNED_AT
+from crosstrain.plugins.tune.space import Param, base_value, check_keys
+from crosstrain.plugins.tune.trial import TrialCommand, last_line, metric_value, read_summary
+
+#: numeric summary.json keys every run writes (crosstrain.engine.summary.build_summary)
+SUMMARY_KEYS = ("final_loss", "initial_loss", "tokens_per_s", "mfu", "peak_memory_bytes", "median_step_time_s",
+                "wall_s", "compile_s", "nonfinite_steps", "eval_loss", "best_eval_loss")
+
+
+@dataclass
+class Search:
+    """Everything a worker needs, checked before any trial starts."""
+
+    settings: SearchSettings
+    params: list[Param]
+    study_name: str
+    storage_url: str
+    out: Path
+    trials: int
+    jobs: int
+    command: TrialCommand
+    base: Any
+    enqueue: dict[str, Any] | None
+    errors: list[BaseException] = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    running: set[Any] = field(default_factory=set)
+
+    def stop(self, *_: Any) -> None:
+        """SIGTERM or Ctrl-C: each running trial saves a checkpoint and exits (crosstrain's preemption), nothing
+        more is started and nothing is told, so the same command resumes those trials."""
+        self.stopping.set()
+        for proc in list(self.running):
+            proc.send_signal(signal.SIGTERM)
+
+
+def check_metric(settings: SearchSettings, base: Any) -> None:
+    """A metric no run of this config reports, or a pruner without intermediate values: one line, exit 2."""
+    metric = settings.metric
+    if metric.startswith("eval_") or metric == "best_eval_loss":
+        if not base.eval.every:
+            raise ConfigError(f"metric {metric!r} is reported only by runs that evaluate; pass --set eval.every=N "
+                              "(e.g. 20)")
+    elif metric not in SUMMARY_KEYS and metric not in _recipe_keys(base):
+        raise ConfigError(f"metric {metric!r} is not a key any run reports in summary.json; use one of "
+                          f"{', '.join(SUMMARY_KEYS)}, eval_<metric> or a key of the recipe's summary")
+    if settings.pruner != "none" and not metric.startswith("eval_"):
+        raise ConfigError(f"pruner = {settings.pruner!r} needs intermediate values, which only eval_* metrics have; "
+                          "set pruner = 'none' or metric = 'eval_loss'")
+
+
+def _recipe_keys(base: Any) -> set[str]:
+    from crosstrain.engine.recipe import resolve_recipe
+
+    try:
+        return set(resolve_recipe(base.train.recipe).summary())
+    except Exception:  # a recipe whose summary needs a built run: its keys are unknown before training
+        return set()
+
+
+def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: list[str], config_path: str | None,
+            out: str | None, storage: str | None, study: str | None, trials: int, jobs: int,
+            nproc: int | None) -> Search:
+    """Every check that can fail on input, before the study or any run dir exists."""
+    from crosstrain.plugins.tune.study import default_storage
+
+    if trials < 1:
+        raise ConfigError(f"--trials={trials} must be >= 1")
+    if jobs < 1:
+        raise ConfigError(f"--jobs={jobs} must be >= 1")
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc={nproc} must be >= 1")
+    base = check_keys(params, sets, config_path)
+    check_metric(settings, base)
+    from crosstrain.plugins.tune.study import make_sampler
+
+    make_sampler(settings, params)  # a grid over a continuous range, a missing cmaes: refused before anything exists
+    sets = list(sets)
+    if not base.checkpoint.every:  # a trial killed with its tuner resumes from its last evaluation
+        sets.append(f"checkpoint.every={base.eval.every or max(1, base.train.steps // 4)}")
+    out_dir = Path(out) if out else Path(base.train.output_dir) / "tune"
+    if out_dir.is_file():
+        raise ConfigError(f"--out {str(out_dir)!r} is a file; pass a folder")
+    url = storage or default_storage(out_dir)
+    threads = max(1, (os.cpu_count() or 1) // (jobs * (nproc or 1)))
+    command = TrialCommand(tuple(sets), config_path, nproc, threads, url, study or name,
+                           "eval/" + settings.metric[len("eval_"):] if settings.metric.startswith("eval_") else "",
+                           (settings.pruner, settings.startup_trials, settings.warmup_steps))
+    values = {p.key: base_value(base, p.key) for p in params}
+    # the grid sampler would draw the base point again; other samplers learn from it like any trial
+    first = settings.base_first and settings.sampler != "grid" and all(p.contains(values[p.key]) for p in params)
+    enqueue = values if first else None
+    return Search(settings, params, study or name, url, out_dir, trials, jobs, command, base, enqueue)
+
+
+def run(search: Search, log: Any = sys.stderr) -> dict[str, Any]:
+    """Run the search to N trials in the study; returns the result line's fields."""
+    import optuna
+
+    from crosstrain.plugins.tune.study import load_study, open_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    search.out.mkdir(parents=True, exist_ok=True)
+    storage = open_storage(search.storage_url)
+    cfg = search.base
+    study = load_study(search.study_name, storage, search.settings, search.params, cfg.train.steps,
+                       cfg.eval.every or cfg.train.steps)
+    workers = [threading.Thread(target=_worker, args=(search, study, storage, log), name=f"tune-job-{i}")
+               for i in range(search.jobs)]
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, search.stop) if main else None
+    try:
+        for w in workers:
+            w.start()
+        while any(w.is_alive() for w in workers):
+            try:
+                for w in workers:
+                    w.join(timeout=0.5)
+            except KeyboardInterrupt:
+                search.stop()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    if search.errors:
+        raise search.errors[0]
+    if search.stopping.is_set():
+        print("crosstrain tune: stopped; the running trials saved a checkpoint. Run the same command to resume them",
+              file=log, flush=True)
+    return result(study, search.storage_url)
+
+
+def _worker(search: Search, study: Any, storage: Any, log: Any) -> None:
+    from crosstrain.plugins.tune.study import take_next
+
+    try:
+        while not search.stopping.is_set():
+            got = take_next(study, search.out, search.trials, search.enqueue)
+            if got is None:
+                return
+            trial, claim, resumed = got
+            try:
+                _run_trial(search, study, storage, trial, resumed, log)
+            finally:
+                claim.release()
+    except BaseException as exc:  # the first error ends the search once the other workers finish their trial
+        search.errors.append(exc)
+
+
+def _run_trial(search: Search, study: Any, storage: Any, trial: Any, resumed: bool, log: Any) -> None:
+    from optuna.trial import TrialState
+
+    params = {p.key: p.suggest(trial) for p in search.params}
+    run_dir = Path(trial.user_attrs["run_dir"])
+    pruned_at = storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT)
+    what = "resuming" if resumed else "starting"
+    print(f"crosstrain tune: {what} trial {trial.number} {params} in {run_dir}", file=log, flush=True)
+    if pruned_at is None:
+        code = search.command.run(run_dir, params, trial._trial_id, running=search.running)
+        pruned_at = storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT)
+        if search.stopping.is_set() and pruned_at is None:
+            return  # stopped by the user: left RUNNING, resumed by the next tuner
+    else:
+        code = 0  # pruned before its tuner died: its checkpoint is kept, nothing to train
+    if code != 0:
+        study.tell(trial, state=TrialState.FAIL)
+        print(f"crosstrain tune: trial {trial.number} failed (exit {code}): {last_line(run_dir)}", file=log, flush=True)
+        return
+    if pruned_at is not None:
+        study.tell(trial, state=TrialState.PRUNED)
+        print(f"crosstrain tune: trial {trial.number} pruned at step {pruned_at}", file=log, flush=True)
+        return
+    value = metric_value(run_dir, search.settings.metric, read_summary(run_dir))
+    if value is None:
+        study.tell(trial, state=TrialState.FAIL)
+        print(f"crosstrain tune: trial {trial.number} reported no finite {search.settings.metric}", file=log,
+              flush=True)
+        return
+    study.tell(trial, value)
+    print(f"crosstrain tune: trial {trial.number} {search.settings.metric} {value:.4f}", file=log, flush=True)
+
+
+def result(study: Any, storage_url: str) -> dict[str, Any]:
+    """The JSON line: the study, its storage, the best trial and how many trials ended each way."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    count = {s: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    best = None
+    if count[TrialState.COMPLETE]:
+        best = study.best_trial
+    return {
+        "study": study.study_name,
+        "storage": storage_url,
+        "best_value": best.value if best else None,
+        "best_params": best.params if best else None,
+        "best_run_dir": best.user_attrs.get("run_dir") if best else None,
+        "complete": count[TrialState.COMPLETE],
+        "pruned": count[TrialState.PRUNED],
+        "failed": count[TrialState.FAIL],
+    }

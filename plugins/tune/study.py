@@ -1,0 +1,176 @@
+"""The study: its storage (SQLite in ``--out`` by default), sampler and pruner, and the claim of a trial.
+
+A trial belongs to the tuner that holds the ``flock`` on ``<trial run dir>/tune.claim``; the kernel drops it
+when that tuner dies, even by SIGKILL. So a RUNNING trial whose claim is free was left by a dead tuner: the next
+tuner takes it over and resumes its run dir (Optuna alone would leave it RUNNING forever). Asking for a new
+trial and taking over an old one happen under ``<out>/<study>.lock``, so N trials are never exceeded by
+concurrent tuners sharing ``--out``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from crosstrain.errors import ConfigError
+from crosstrain.plugins.tune.config import SearchSettings
+from crosstrain.plugins.tune.space import Param
+
+CLAIM = "tune.claim"
+#: SQLite waits this long for a lock held by another worker (the tuner, a trial's rank 0, another tuner)
+SQLITE_TIMEOUT_S = 120
+
+
+def default_storage(out: Path) -> str:
+    return f"sqlite:///{(out / 'tune.db').resolve()}"
+
+
+def open_storage(url: str) -> Any:
+    """An Optuna storage: an RDB URL (``sqlite:///``, ``postgresql://``, ``mysql://``) or ``journal:PATH``
+    (Optuna's JournalStorage on a file)."""
+    import optuna
+
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
+    kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    except Exception as exc:  # a URL SQLAlchemy cannot open: a missing driver, a bad host
+        raise ConfigError(f"--storage {url!r} cannot be opened ({type(exc).__name__}: {exc}); pass a "
+                          "sqlite:///PATH, postgresql://..., mysql://... or journal:PATH URL") from None
+
+
+def make_sampler(settings: SearchSettings, params: list[Param]) -> Any:
+    import optuna
+
+    seed = settings.seed
+    if settings.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if settings.sampler == "grid":
+        return optuna.samplers.GridSampler({p.key: p.grid() for p in params}, seed=seed)
+    if settings.sampler == "cmaes":
+        import importlib.util
+
+        if importlib.util.find_spec("cmaes") is None:
+            raise ConfigError("sampler = 'cmaes' needs the cmaes package (not installed); run: pip install cmaes, "
+                              "or use sampler = 'tpe'")
+        return optuna.samplers.CmaEsSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def make_pruner(settings: Any, steps: int, eval_every: int) -> Any:
+    """Median (Optuna's MedianPruner), Hyperband (Li et al. 2018) or ASHA (Li et al. 2020, successive halving)
+    over the trial's eval steps; ``none`` never prunes. ``settings``: a space file's or a run's ``[tune]``
+    (the tuner and each trial's rank 0 build the same pruner: Optuna does not store it with the study)."""
+    import optuna
+
+    if settings.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=settings.startup_trials,
+                                           n_warmup_steps=settings.warmup_steps, interval_steps=1)
+    if settings.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=eval_every, max_resource=steps, reduction_factor=3)
+    if settings.pruner == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=eval_every, reduction_factor=3)
+    return optuna.pruners.NopPruner()
+
+
+def load_study(name: str, storage: Any, settings: SearchSettings, params: list[Param], steps: int,
+               eval_every: int) -> Any:
+    import optuna
+
+    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
+                                direction=settings.direction, sampler=make_sampler(settings, params),
+                                pruner=make_pruner(settings, steps, eval_every))
+    if study.direction.name.lower() != settings.direction:
+        raise ConfigError(f"study {name!r} in this storage was created with direction "
+                          f"{study.direction.name.lower()}; pass another --study or the same direction")
+    return study
+
+
+@contextmanager
+def study_lock(out: Path, name: str) -> Iterator[None]:
+    """Held while a worker counts the trials and asks or claims one (all tuners sharing ``--out``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
+class Claim:
+    """The ``flock`` on a trial's ``tune.claim``: held for as long as this tuner runs the trial."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_dir / CLAIM, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def trial_dir(out: Path, name: str, number: int) -> Path:
+    return out / name / f"trial_{number:04d}"
+
+
+def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None) -> tuple[Any, Claim, bool] | None:
+    """Under the study lock: a RUNNING trial left by a dead tuner (``resumed`` True) or a new one while the
+    study has fewer than ``limit`` trials; None when there is nothing left to run."""
+    import optuna
+    from optuna.trial import TrialState
+
+    with study_lock(out, study.study_name):
+        trials = study.get_trials(deepcopy=False)
+        for t in trials:
+            run_dir = t.user_attrs.get("run_dir")
+            if t.state != TrialState.RUNNING or not run_dir or not Path(run_dir).is_dir():
+                continue  # another machine's trial (its run dir is not here) is left to that machine
+            claim = Claim(Path(run_dir))
+            if not claim.try_acquire():
+                continue  # its tuner is alive
+            # its tuner may have told the trial and released the claim since the read above: read it again
+            if _state(study, t.number) == TrialState.RUNNING:
+                return optuna.trial.Trial(study, t._trial_id), claim, True
+            claim.release()
+        if len(trials) >= limit:
+            return None
+        if enqueue is not None and not trials:
+            study.enqueue_trial(enqueue, user_attrs={"base_config": True})
+        trial = study.ask()
+        run_dir = trial_dir(out, study.study_name, trial.number)
+        claim = Claim(run_dir)
+        if not claim.try_acquire():  # a run dir of the same name from an earlier study: refuse rather than mix
+            study.tell(trial, state=TrialState.FAIL)
+            raise ConfigError(f"{run_dir} is held by another process; pass another --out or --study")
+        trial.set_user_attr("run_dir", str(run_dir.resolve()))
+        return trial, claim, False
+
+
+def _state(study: Any, number: int) -> Any:
+    """A trial's state as the storage has it now (unfinished trials are read again on every ``get_trials``)."""
+    return next(t.state for t in study.get_trials(deepcopy=False) if t.number == number)
