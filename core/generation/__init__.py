@@ -14,4 +14,5 @@ from crosstrain.generation.sharded import gathered
 from crosstrain.generation.slots import SlotKVCache
 
 __all__ = ["ContinuousBatch", "GenerationConfig", "GenerationOutput", "Sequence", "SlotKVCache", "StaticKVCache",
-           "cached_attention_mask", "filter_logits", "gathered", "generate", "left_pad", "next_tokens", "token_logprobs"]
+           "cached_attention_mask", "filter_logits", "gathered", "generate", "left_pad", "next_tokens",
+           "token_logprobs"]

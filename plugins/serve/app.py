@@ -102,10 +102,9 @@ def create_app(served: Served) -> FastAPI:
         if body.stream:
             return _stream(served, job, body, "chat.completion.chunk")
         (text_out, finish, n), = await _gather(served, [job])
-        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                             "model": served.name, "choices": [{"index": 0, "finish_reason": finish,
-                                                                "message": {"role": "assistant",
-                                                                            "content": text_out}}],
+        choice = {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text_out}}
+        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                             "created": int(time.time()), "model": served.name, "choices": [choice],
                              "usage": _usage(len(prompt), n), "system_fingerprint": _fingerprint(job)})
 
     return app
@@ -176,10 +175,15 @@ async def _result(served: Served, job: Job) -> tuple[str, str, int]:
     while True:
         event = await job.events.get()
         if event[0] == "error":
-            raise APIError(event[1], event[2], kind="invalid_request_error" if event[1] < 500 else "server_error")
+            raise _event_error(event)
         if event[0] == "done":
             _record(served, job, event[2])
             return job.text, event[1], event[2]
+
+
+def _event_error(event: tuple[Any, ...]) -> APIError:
+    status, message = int(event[1]), str(event[2])
+    return APIError(status, message, kind="invalid_request_error" if status < 500 else "server_error")
 
 
 def _record(served: Served, job: Job, tokens: int) -> None:
@@ -242,8 +246,7 @@ def _stream(served: Served, job: Job, body: Sampling, kind: str) -> StreamingRes
                     yield chunk(None, event[1], first)
                     break
                 else:
-                    err = APIError(event[1], event[2], kind="invalid_request_error" if event[1] < 500 else "server_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
+                    yield f"data: {json.dumps(_event_error(event).body())}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:

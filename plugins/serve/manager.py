@@ -57,7 +57,7 @@ class ModelManager:
         return version
 
     def _watched_run_dir(self) -> Path:
-        run_dir = getattr(self.current, "run_dir", None) or _run_dir(Path(self.current.source))
+        run_dir = _run_dir(Path(self.current.source))
         if run_dir is None:
             raise ConfigError(f"--watch follows a run, but {self.options.source} is not a run dir or one of its "
                               "checkpoints; pass the run dir")

@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
 
 from crosstrain.errors import CrosstrainError
 from crosstrain.generation.continuous import Sequence

@@ -23,7 +23,8 @@ def bind(host: str, port: int) -> socket.socket:
         family = infos[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as exc:
-        raise ConfigError(f"--host {host!r} is not an address of this machine ({exc}); use 127.0.0.1 or 0.0.0.0")
+        raise ConfigError(f"--host {host!r} is not an address of this machine ({exc}); use 127.0.0.1 or "
+                          "0.0.0.0") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -86,8 +87,9 @@ class Server:
 
     def banner(self) -> str:
         v = self.manager.current
+        watching = f", watching {self.manager.run_dir}" if self.manager.run_dir else ""
         return (f"crosstrain serve: listening on {self.url}/v1 (model {self.name!r}, step {v.step}, engine "
-                f"{v.engine}, max batch {self.options.max_batch}{', watching ' + str(self.manager.run_dir) if self.manager.run_dir else ''})")
+                f"{v.engine}, max batch {self.options.max_batch}{watching})")
 
     def serve_forever(self) -> None:
         """Run in the foreground until SIGINT/SIGTERM."""
