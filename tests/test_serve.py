@@ -144,6 +144,20 @@ def test_port_in_use_is_one_line_exit_2(served: dict[str, Any], capsys: pytest.C
     assert "port is in use" in one_line_error(captured.out, captured.err, lines=1)[0]
 
 
+def test_onnxruntime_engine_serves_the_same_tokens(served: dict[str, Any]) -> None:
+    """--engine onnxruntime: the checkpoint is exported, gated (ONNX vs torch logits) and gives the torch engine's
+    greedy text, and with a seed the same sampled text."""
+    from crosstrain.plugins.serve.config import ServeOptions
+    from crosstrain.plugins.serve.server import Server
+
+    with Server(ServeOptions(str(served["run"] / "checkpoints" / "step_2"), port=0, engine="onnxruntime")) as ort:
+        gate = ort.manager.current.gate
+        assert gate.passed and gate.max_abs_err is not None and gate.max_abs_err <= 1e-4
+        for extra in ({}, {"temperature": 0.8, "top_k": 20, "seed": 7}):
+            assert _complete(ort.url, "Hello", 12, **extra)["choices"][0]["text"] == \
+                _complete(served["url"], "Hello", 12, **extra)["choices"][0]["text"]
+
+
 def _client(url: str, stop: threading.Event, log: list[tuple[int, int | None]]) -> None:
     """Requests back to back until ``stop``: (HTTP status, step that served it) each."""
     while not stop.is_set():
