@@ -42,7 +42,8 @@ class ServeMetrics:
     def on_event(self, event: dict[str, Any]) -> None:
         """The model manager's events: a load or swap sets the step, a refusal counts."""
         if event["event"] in ("loaded", "swapped"):
-            self.model_step.set(event.get("step") if event.get("step") is not None else -1)
+            step = event.get("step")
+            self.model_step.set(float(step) if step is not None else -1.0)
             self.model_version.set(event.get("version") or 0)
             if event["event"] == "swapped":
                 self.swaps.inc()

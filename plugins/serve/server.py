@@ -64,6 +64,7 @@ class Server:
         except BaseException:
             self.sock.close()
             self._tmp.cleanup()
+            self._reference.__exit__(None, None, None)
             raise
         self.name = options.model_name or _default_name(options.source)
         self.app = create_app(Served(self.name, self.manager, self.scheduler, self.metrics))
