@@ -64,7 +64,7 @@ class Scheduler:
     def _collect(self) -> None:
         """Move submitted jobs to the waiting line; when idle, block for the first and then wait up to
         ``max_wait_ms`` for up to ``max_batch`` of them."""
-        if not self._running and not self._waiting:
+        if not self.live and not self._waiting:
             try:
                 self._waiting.append(self._inbox.get(timeout=0.1))
             except queue.Empty:
