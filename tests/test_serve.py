@@ -32,7 +32,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
     run = tmp_path_factory.mktemp("serve") / "run"
     Trainer(load_config(None, ["train.steps=2", *OVERRIDES]), run_dir=run).fit()
-    server = Server(ServeOptions(str(run), port=0, watch=True, poll_s=0.5, max_batch=8, max_wait_ms=20))
+    # one torch thread: the tiny model's ops are too small to split, and threads only wait on each other
+    server = Server(ServeOptions(str(run), port=0, watch=True, poll_s=0.5, max_batch=8, max_wait_ms=20, threads=1))
     with server:
         yield {"run": run, "server": server, "url": server.url, "name": server.name}
 
@@ -150,7 +151,8 @@ def test_onnxruntime_engine_serves_the_same_tokens(served: dict[str, Any]) -> No
     from crosstrain.plugins.serve.config import ServeOptions
     from crosstrain.plugins.serve.server import Server
 
-    with Server(ServeOptions(str(served["run"] / "checkpoints" / "step_2"), port=0, engine="onnxruntime")) as ort:
+    with Server(ServeOptions(str(served["run"] / "checkpoints" / "step_2"), port=0, engine="onnxruntime",
+                             threads=1)) as ort:
         gate = ort.manager.current.gate
         assert gate.passed and gate.max_abs_err is not None and gate.max_abs_err <= 1e-4
         for extra in ({}, {"temperature": 0.8, "top_k": 20, "seed": 7}):

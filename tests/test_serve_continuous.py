@@ -4,6 +4,7 @@ that join and leave a running batch decode exactly what they decode alone with `
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,11 +14,14 @@ from crosstrain.models.gpt import build_gpt
 
 
 @pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
+def model() -> Iterator[torch.nn.Module]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model's ops are too small to split; threads would only wait on each other
     torch.manual_seed(0)
     m = build_gpt("tiny", n_layers=2, n_kv_heads=2, max_seq_len=64)  # grouped-query attention too
     m.init_weights()
-    return m.eval()
+    yield m.eval()
+    torch.set_num_threads(threads)
 
 
 def _run(model: torch.nn.Module, seqs: list[Sequence], slots: int) -> int:

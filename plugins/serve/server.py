@@ -51,6 +51,7 @@ class Server:
 
         self.options = options
         self.sock = bind(options.host, options.port)
+        self._threads_before = torch.get_num_threads()  # restored on close (an in-process server shares torch)
         if options.threads:
             torch.set_num_threads(options.threads)
         # the reference kernels, as `crosstrain generate` and the export parity check use: same tokens as they give
@@ -134,6 +135,9 @@ class Server:
         self.sock.close()
         self._tmp.cleanup()
         self._reference.__exit__(None, None, None)
+        import torch
+
+        torch.set_num_threads(self._threads_before)
 
     def __enter__(self) -> Server:
         return self.start()
