@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -94,6 +95,8 @@ def test_concurrent_greedy_requests_equal_each_served_alone(served: dict[str, An
         together = list(pool.map(lambda pn: _complete(url, *pn)["choices"][0]["text"], pairs))
     assert together == alone
     assert _batched_steps(url) > before  # some decode steps really did carry several sequences
+    several = _complete(url, ["a", "ok"], 5)["choices"]  # a list of prompts: one choice each, in order
+    assert [c["text"] for c in several] == [alone[0], _complete(url, "ok", 5)["choices"][0]["text"]]
     text = alone[1]
     stop = next(c for c in text[2:] if c not in text[:2] and c != "\ufffd")
     cut = _complete(url, prompts[1], budgets[1], stop=stop)["choices"][0]
@@ -223,3 +226,21 @@ def test_watch_swaps_in_the_resumed_run_and_refuses_bad_checkpoints(served: dict
     assert _models(url)["step"] == 4
     assert _complete(url, "Hi", 6)["system_fingerprint"].startswith("step-4-")
     assert "crosstrain_serve_refused_versions_total 2.0" in httpx.get(f"{url}/metrics", timeout=30).text
+
+
+def test_best_follows_the_best_pointer(served: dict[str, Any], tmp_path: Path) -> None:
+    """--watch --best: the version follows the run's ``best`` pointer, and a pointer to a checkpoint that fails
+    verification is not followed. Runs after the watch test (needs its step_4 and corrupt step_6)."""
+    from crosstrain.plugins.serve.config import ServeOptions
+    from crosstrain.plugins.serve.manager import ModelManager
+
+    ckpts = served["run"] / "checkpoints"
+    assert (ckpts / "step_4").is_dir() and (ckpts / "step_6").is_dir()
+    (ckpts / "best").write_text("step_2")
+    manager = ModelManager(ServeOptions(str(served["run"]), watch=True, best=True), tmp_path)
+    assert manager.current.step == 2 and manager.poll() is None
+    (ckpts / "best").write_text("step_4")
+    swapped = manager.poll()
+    assert swapped is not None and manager.current is swapped and swapped.step == 4 and swapped.gate.passed
+    (ckpts / "best").write_text("step_6")  # byte-flipped: find_best does not verify it, nothing to swap to
+    assert manager.poll() is None and manager.current.step == 4

@@ -119,7 +119,6 @@ def _check_model(served: Served, body: Sampling) -> None:
 def _prompts(served: Served, prompt: Any) -> list[list[int]]:
     """Token ids of each prompt: text through the model's tokenizer, ids checked against its vocabulary."""
     from crosstrain.plugins.export.errors import ExportError
-    from crosstrain.plugins.export.generate import encode
 
     version = served.manager.current
     rows = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
@@ -127,7 +126,7 @@ def _prompts(served: Served, prompt: Any) -> list[list[int]]:
     for row in rows:
         if isinstance(row, str):
             try:
-                row = encode(version.tokenizer, row)
+                row = version.codec.encode(row)
             except ExportError as exc:
                 raise APIError(400, str(exc), param="prompt") from exc
         if not row:
@@ -141,8 +140,6 @@ def _prompts(served: Served, prompt: Any) -> list[list[int]]:
 
 
 def _job(served: Served, body: Sampling, prompt: list[int], stops: tuple[str, ...], default: int | None) -> Job:
-    from crosstrain.plugins.export.generate import decode
-
     version = served.manager.current
     room = version.context - len(prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None else (default if default is not None else room)
@@ -156,9 +153,8 @@ def _job(served: Served, body: Sampling, prompt: list[int], stops: tuple[str, ..
         generator.seed()
     else:
         generator.manual_seed(body.seed)
-    tokenizer = version.tokenizer
     return Job(prompt, body.generation(max_tokens, () if eos is None else (int(eos),)), generator, stops,
-               lambda ids: decode(tokenizer, ids), asyncio.get_running_loop())
+               version.codec.decode, asyncio.get_running_loop())
 
 
 async def _gather(served: Served, jobs: list[Job]) -> list[tuple[str, str, int]]:

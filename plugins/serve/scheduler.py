@@ -56,7 +56,9 @@ class Scheduler:
                 self._admit()
                 self._step()
             except Exception as exc:  # never leave clients hanging: fail what is in flight, keep serving
-                for _, jobs in self._running.values():
+                for version, jobs in self._running.values():
+                    for seq in list(version.batch.live):
+                        version.batch.drop(seq)
                     for job in jobs:
                         job.fail(500, f"internal error while decoding: {type(exc).__name__}: {exc}")
                 self._running.clear()

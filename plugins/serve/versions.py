@@ -13,6 +13,29 @@ from crosstrain.errors import ConfigError
 from crosstrain.plugins.serve.gate import GateReport, check
 
 
+class Codec:
+    """Text <-> token ids for one tokenizer description (``crosstrain generate``'s ``encode``/``decode``), with a
+    Hugging Face tokenizer built once, not per call (a stream decodes after every token)."""
+
+    def __init__(self, tokenizer: dict[str, Any]) -> None:
+        self.tokenizer = tokenizer
+        self._hf: Any = None
+        if tokenizer.get("type") == "hf":
+            from crosstrain.data.hf_tokenizer import HFTokenizer
+
+            self._hf = HFTokenizer(tokenizer["path"])
+
+    def encode(self, text: str) -> list[int]:
+        from crosstrain.plugins.export.generate import encode
+
+        return [int(i) for i in self._hf.encode(text)] if self._hf is not None else encode(self.tokenizer, text)
+
+    def decode(self, ids: list[int]) -> str:
+        from crosstrain.plugins.export.generate import decode
+
+        return str(self._hf.decode(ids)) if self._hf is not None else decode(self.tokenizer, ids)
+
+
 @dataclass(eq=False)
 class Version:
     number: int
@@ -26,6 +49,10 @@ class Version:
     vocab: int
     gate: GateReport
     loaded_at: float = field(default_factory=time.time)
+    codec: Codec = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.codec = Codec(self.tokenizer)
 
     def describe(self) -> dict[str, Any]:
         return {"version": self.number, "source": self.source, "step": self.step,
