@@ -12,7 +12,8 @@ concurrent requests' latencies. Then the swap: the run's newest checkpoint was h
 so the server starts on the one before); while the clients stream, it is renamed back (an atomic commit, as the
 trainer's) and the server loads, gates and swaps it. ``swap_stall_ms`` is the longest gap between two chunks
 (or before the first) that any stream in flight during the swap saw, ``stall_baseline_ms`` the same over a
-streaming round without a swap. ``errors`` counts failed requests (goal 0). JSON on the last line.
+streaming round without a swap; ``swap_lag_s`` is from the commit to the server's swap (``--poll-s 0.5``: the
+look, the load and the gate). ``errors`` counts failed requests (goal 0). JSON on the last line.
 
     python benchmarks/serve.py [--quick] [--clients 16] [--new-tokens 64] [--reps 3] [--max-batch 16]
 """
@@ -143,7 +144,7 @@ def main() -> None:
             proc.wait(timeout=60)
     out["load_avg"] = os.getloadavg()[0]
     for key in ("sequential_tokens_per_s", "concurrent_tokens_per_s", "batching_speedup", "p50_ms", "p99_ms",
-                "swap_stall_ms", "stall_baseline_ms", "errors"):
+                "swap_stall_ms", "stall_baseline_ms", "swap_lag_s", "errors"):
         print(f"{key:>24}: {out[key]}")
     print(json.dumps(out))
 
@@ -178,6 +179,7 @@ def measure(url: str, prompts: list[str], args: argparse.Namespace, held: Path, 
     runner = threading.Thread(target=lambda: results.append(concurrent(stream, url, prompts, n * 4)))
     runner.start()
     time.sleep(0.05)
+    committed = time.time()
     aside.rename(held)
     runner.join()
     rounds = 0
@@ -188,6 +190,7 @@ def measure(url: str, prompts: list[str], args: argparse.Namespace, held: Path, 
     swap_streams = [r for batch, _ in results for r in batch]
     errors += sum(not ok for ok, _ in swap_streams)
     step = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["step"]
+    swaps = [json.loads(e.split(": ", 1)[1]) for e in events if '"swapped"' in e]
     latencies.sort()
     seq, conc = statistics.median(seq_rates), statistics.median(conc_rates)
     return {"clients": len(prompts), "new_tokens": n, "reps": args.reps,
@@ -197,7 +200,8 @@ def measure(url: str, prompts: list[str], args: argparse.Namespace, held: Path, 
             "p99_ms": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1),
             "swap_stall_ms": round(1000 * max(max_gap(t) for _, t in swap_streams), 1),
             "stall_baseline_ms": round(1000 * max(max_gap(t) for _, t in baseline), 1),
-            "swapped_to_step": step, "errors": errors}
+            "swapped_to_step": step, "swap_lag_s": round(swaps[-1]["time"] - committed, 2) if swaps else None,
+            "errors": errors}
 
 
 if __name__ == "__main__":
