@@ -6,7 +6,15 @@ import argparse
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from crosstrain.errors import ConfigError
     from crosstrain.plugins.serve.config import ServeOptions
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"crosstrain serve needs {', '.join(missing)}; install them with: "
+                          "pip install 'crosstrain[serve]'")
     from crosstrain.plugins.serve.server import main
 
     return main(ServeOptions(source=args.source, host=args.host, port=args.port, engine=args.engine,
