@@ -63,7 +63,7 @@ class Job:
 
     def _held(self, text: str) -> int:
         """Characters at the end that may still grow into a stop string or complete a multi-byte character."""
-        held = 1 if text.endswith("\ufffd") else 0
+        held = min(len(text) - len(text.rstrip("\ufffd")), 4)  # a UTF-8 character is at most 4 bytes
         for stop in self.stops:
             for n in range(min(len(stop) - 1, len(text)), 0, -1):
                 if text.endswith(stop[:n]):
