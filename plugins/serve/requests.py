@@ -37,7 +37,10 @@ class Job:
     finish_reason: str | None = None
 
     def _push(self, *event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the server's event loop has closed (shutting down): nobody is listening
+            pass
 
     def started(self, version: Any) -> None:
         self.version = version

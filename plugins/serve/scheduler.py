@@ -98,8 +98,11 @@ class Scheduler:
             seq = Sequence(job.prompt, job.config, job.generator, tag=job)
             try:
                 version.batch.add(seq)
-            except CrosstrainError as exc:
+            except CrosstrainError as exc:  # e.g. a prompt that no longer fits a swapped-in version's context
                 job.fail(400, str(exc))
+                continue
+            except Exception as exc:  # this job only: the others keep decoding
+                job.fail(500, f"internal error while prefilling: {type(exc).__name__}: {exc}")
                 continue
             job.started(version)
             if job.feed(seq):
