@@ -161,6 +161,11 @@ def test_onnxruntime_engine_serves_the_same_tokens(served: dict[str, Any]) -> No
         for extra in ({}, {"temperature": 0.8, "top_k": 20, "seed": 7}):
             assert _complete(ort.url, "Hello", 12, **extra)["choices"][0]["text"] == \
                 _complete(served["url"], "Hello", 12, **extra)["choices"][0]["text"]
+        exported = ort.manager.workdir / "v1.onnx"  # the export it serves, given as SOURCE itself
+        with Server(ServeOptions(str(exported), port=0, engine="onnxruntime", threads=1)) as onnx_file:
+            assert _models(onnx_file.url)["step"] is None and onnx_file.manager.current.gate.passed
+            assert _complete(onnx_file.url, "Hello", 12)["choices"][0]["text"] == \
+                _complete(served["url"], "Hello", 12)["choices"][0]["text"]
 
 
 def _client(url: str, stop: threading.Event, log: list[tuple[int, int | None]]) -> None:
