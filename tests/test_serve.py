@@ -98,7 +98,7 @@ def test_concurrent_greedy_requests_equal_each_served_alone(served: dict[str, An
     several = _complete(url, ["a", "ok"], 5)["choices"]  # a list of prompts: one choice each, in order
     assert [c["text"] for c in several] == [alone[0], _complete(url, "ok", 5)["choices"][0]["text"]]
     text = alone[1]
-    stop = next(c for c in text[2:] if c not in text[:2] and c != "\ufffd")
+    stop = next(c for c in text if c != "\ufffd")  # the text ends before its first occurrence
     cut = _complete(url, prompts[1], budgets[1], stop=stop)["choices"][0]
     assert cut["text"] == text[:text.index(stop)] and cut["finish_reason"] == "stop"
 
