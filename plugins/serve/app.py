@@ -4,18 +4,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from crosstrain.plugins.serve import replies
 from crosstrain.plugins.serve.manager import ModelManager
 from crosstrain.plugins.serve.metrics import ServeMetrics
 from crosstrain.plugins.serve.protocol import DEFAULT_MAX_TOKENS, APIError, ChatBody, CompletionBody, Sampling, parse
@@ -84,8 +83,8 @@ def create_app(served: Served) -> FastAPI:
             raise APIError(400, "stream=true takes one prompt; send one request per prompt", param="prompt")
         jobs = [_job(served, body, p, body.stops(), DEFAULT_MAX_TOKENS) for p in prompts]
         if body.stream:
-            return _stream(served, jobs[0], body, "text_completion")
-        return JSONResponse(_completion_body(served, jobs, await _gather(served, jobs)))
+            return replies.stream(served, jobs[0], body, "text_completion")
+        return JSONResponse(replies.completion_body(served, jobs, await replies.gather(served, jobs)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -100,12 +99,13 @@ def create_app(served: Served) -> FastAPI:
         prompt = _prompts(served, text)[0]
         job = _job(served, body, prompt, (*body.stops(), *CHAT_STOPS), None)
         if body.stream:
-            return _stream(served, job, body, "chat.completion.chunk")
-        (text_out, finish, n), = await _gather(served, [job])
+            return replies.stream(served, job, body, "chat.completion.chunk")
+        (text_out, finish, n), = await replies.gather(served, [job])
         choice = {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text_out}}
         return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                              "created": int(time.time()), "model": served.name, "choices": [choice],
-                             "usage": _usage(len(prompt), n), "system_fingerprint": _fingerprint(job)})
+                             "usage": replies.usage(len(prompt), n),
+                             "system_fingerprint": replies.fingerprint(job)})
 
     return app
 
@@ -155,97 +155,3 @@ def _job(served: Served, body: Sampling, prompt: list[int], stops: tuple[str, ..
         generator.manual_seed(body.seed)
     return Job(prompt, body.generation(max_tokens, () if eos is None else (int(eos),)), generator, stops,
                version.codec.decode, asyncio.get_running_loop())
-
-
-async def _gather(served: Served, jobs: list[Job]) -> list[tuple[str, str, int]]:
-    for job in jobs:
-        served.scheduler.submit(job)
-    try:
-        return [await _result(served, job) for job in jobs]
-    finally:  # a client that went away: its sequences leave the batch at the next step
-        for job in jobs:
-            job.cancelled = True
-
-
-async def _result(served: Served, job: Job) -> tuple[str, str, int]:
-    while True:
-        event = await job.events.get()
-        if event[0] == "error":
-            raise _event_error(event)
-        if event[0] == "done":
-            _record(served, job, event[2])
-            return job.text, event[1], event[2]
-
-
-def _event_error(event: tuple[Any, ...]) -> APIError:
-    status, message = int(event[1]), str(event[2])
-    return APIError(status, message, kind="invalid_request_error" if status < 500 else "server_error")
-
-
-def _record(served: Served, job: Job, tokens: int) -> None:
-    now = time.perf_counter()
-    served.metrics.latency.observe(now - job.submitted)
-    if job.first_token is not None:
-        served.metrics.ttft.observe(job.first_token - job.submitted)
-    served.metrics.prompt_tokens.inc(len(job.prompt))
-    served.metrics.generation_tokens.inc(tokens)
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _fingerprint(job: Job) -> str | None:
-    """The version that produced the reply: ``step-N`` (or ``vN``) and the first 12 hex of its params SHA-256."""
-    v = job.version
-    if v is None:
-        return None
-    return f"{'step-' + str(v.step) if v.step is not None else 'v' + str(v.number)}-{(v.params_sha256 or '')[:12]}"
-
-
-def _completion_body(served: Served, jobs: list[Job], results: list[tuple[str, str, int]]) -> dict[str, Any]:
-    choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
-               for i, (text, finish, _) in enumerate(results)]
-    usage = _usage(sum(len(j.prompt) for j in jobs), sum(n for _, _, n in results))
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": served.name, "choices": choices, "usage": usage, "system_fingerprint": _fingerprint(jobs[0])}
-
-
-def _stream(served: Served, job: Job, body: Sampling, kind: str) -> StreamingResponse:
-    """Server-sent events: one chunk per text delta, a last chunk with ``finish_reason``, then ``[DONE]``."""
-    ident = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
-    chat = kind.startswith("chat")
-
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        data = {"id": ident, "object": kind, "created": int(time.time()), "model": served.name, "choices": [choice],
-                "system_fingerprint": _fingerprint(job)}
-        return f"data: {json.dumps(data)}\n\n"
-
-    async def events() -> AsyncIterator[str]:
-        served.scheduler.submit(job)
-        try:
-            first = True
-            while True:
-                event = await job.events.get()
-                if event[0] == "delta":
-                    yield chunk(event[1], None, first)
-                    first = False
-                elif event[0] == "done":
-                    _record(served, job, event[2])
-                    yield chunk(None, event[1], first)
-                    break
-                else:
-                    yield f"data: {json.dumps(_event_error(event).body())}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancelled = True
-
-    return StreamingResponse(events(), media_type="text/event-stream")
