@@ -171,14 +171,14 @@ def measure(url: str, prompts: list[str], args: argparse.Namespace, held: Path, 
         seq_rates.append(sum(r[3] for r in alone) / seq_wall)
         conc_rates.append(sum(r[3] for r in together) / conc_wall)
         latencies += [r[2] * 1000 for r in together]
-    baseline, _ = concurrent(stream, url, prompts, n)
+    context = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["context_length"]
+    longest = max(len(p.encode()) for p in prompts)  # byte tokenizer: one token per byte
+    long_n = min(4 * n, context - longest)  # streams long enough to be in flight when the swap lands
+    baseline, _ = concurrent(stream, url, prompts, long_n)  # the same round without a swap
     errors += sum(not ok for ok, _ in baseline)
     # the swap round: streams start, the held-back checkpoint is committed, the server swaps under them
     swapped_before = sum('"swapped"' in e for e in events)
     results: list[Any] = []
-    context = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["context_length"]
-    longest = max(len(p.encode()) for p in prompts)  # byte tokenizer: one token per byte
-    long_n = min(4 * n, context - longest)  # streams long enough to be in flight when the swap lands
     runner = threading.Thread(target=lambda: results.append(concurrent(stream, url, prompts, long_n)))
     runner.start()
     time.sleep(0.05)
