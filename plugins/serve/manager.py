@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +96,9 @@ class ModelManager:
                     continue
             number = self.current.number + 1
             try:
-                version = load_version(Resolved("checkpoint", path, self.run_dir, step, True), number,
-                                       self.options.engine, self.options.max_batch, self.workdir)
+                with _short_gil_slices():
+                    version = load_version(Resolved("checkpoint", path, self.run_dir, step, True), number,
+                                           self.options.engine, self.options.max_batch, self.workdir)
             except CrosstrainError as exc:
                 self._event("refused", None, step=step, path=str(path), reason=str(exc))
                 continue
@@ -126,6 +129,22 @@ class ModelManager:
         print(f"crosstrain serve: {json.dumps(event)}", file=sys.stderr, flush=True)
         if self.on_event is not None:
             self.on_event(event)
+
+
+@contextmanager
+def _short_gil_slices(seconds: float = 0.0005) -> Iterator[None]:
+    """CPython's GIL switch interval at ``seconds`` (default 5 ms) while a version loads beside the serving one.
+
+    Loading is mostly Python (checkpoint planning, the run config, plugin hooks), and the scheduler thread's decode
+    step is many short torch calls, each re-taking the GIL: with 5 ms slices it waits up to 5 ms per call (the
+    convoy effect). Measured on the tiny model with 16 rows while versions load in a loop: the slowest of 150
+    decode steps 290 ms at 5 ms slices, 24 ms at 0.5 ms (median 0.58 ms either way; 12 ms with no load)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _run_dir(checkpoint: Path) -> Path | None:
