@@ -1,0 +1,130 @@
+"""Continuous batching: sequences join a running batch at the next decode step and leave when they are done.
+
+:class:`ContinuousBatch` is the decode loop of :func:`crosstrain.generation.generate` cut at each step, so a
+server can interleave arrivals: :meth:`~ContinuousBatch.add` prefills one prompt alone (exactly as ``generate``
+does for a single prompt) and picks its first token; :meth:`~ContinuousBatch.step` runs one ``forward_cached``
+over every live row of a :class:`~crosstrain.generation.slots.SlotKVCache` (each row at its own position) and
+picks each row's next token with ``crosstrain.generation.sampling``, under that sequence's own settings and
+generator. A greedy sequence therefore decodes the tokens it decodes alone, whatever else shares its steps
+(iteration-level scheduling: Yu et al. 2022, "Orca", OSDI; the scheme of vLLM and TGI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from crosstrain.errors import ConfigError
+from crosstrain.generation.config import GenerationConfig
+from crosstrain.generation.engine import _check
+from crosstrain.generation.sampling import next_tokens, token_logprobs
+from crosstrain.generation.sharded import model_device, unwrap
+from crosstrain.generation.slots import SlotKVCache
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One prompt being continued. ``tokens``/``logprobs`` grow by one per step; ``done`` once it emitted a stop
+    token or ``config.max_new_tokens`` tokens. ``tag`` is the caller's (a request handle)."""
+
+    prompt: list[int]
+    config: GenerationConfig
+    generator: torch.Generator | None = None
+    tag: Any = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    row: int = -1  # its row in the slot cache while live
+
+    @property
+    def stopped(self) -> bool:
+        """Ended on a stop token (not on the token budget)."""
+        return bool(self.tokens) and self.tokens[-1] in self.config.stop_tokens
+
+
+class ContinuousBatch:
+    """Up to ``slots`` sequences decoded together on ``model`` (the cache protocol plus ``max_seq_len``)."""
+
+    def __init__(self, model: nn.Module, slots: int, max_len: int | None = None) -> None:
+        if slots < 1:
+            raise ConfigError(f"a continuous batch needs at least 1 slot, got {slots}")
+        self.model = unwrap(model)
+        self.device = model_device(self.model)
+        self.max_len = max_len or int(self.model.config.max_seq_len)
+        self.cache = SlotKVCache(len(self.model.blocks()), slots, self.max_len)
+        self.live: list[Sequence] = []  # live[r] is the sequence in cache row r
+
+    @property
+    def free(self) -> int:
+        return self.cache.slots - len(self.live)
+
+    @torch.no_grad()
+    def add(self, seq: Sequence) -> Sequence:
+        """Prefill ``seq.prompt`` alone and pick its first token; it joins the batch unless already done (one token
+        asked, or a stop token first). Raises a one-line ConfigError when it cannot fit."""
+        _check(self.model, [seq.prompt], seq.config)
+        total = len(seq.prompt) + seq.config.max_new_tokens
+        if total > self.max_len:
+            raise ConfigError(f"prompt ({len(seq.prompt)} tokens) + max_new_tokens {seq.config.max_new_tokens} = "
+                              f"{total} exceeds the model's context of {self.max_len} tokens; shorten the prompt "
+                              "or lower max_new_tokens")
+        if seq.config.max_new_tokens == 0:
+            seq.done = True
+            return seq
+        if not self.free:
+            raise ValueError("no free slot; wait for a sequence to finish (check .free first)")
+        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
+        prefill = self.model.allocate_kv_cache(1, len(seq.prompt), None, self.device)
+        positions = torch.arange(len(seq.prompt), device=self.device).unsqueeze(0)
+        logits = self.model.forward_cached(ids, positions, prefill, None)[:, -1]
+        append_next([seq], logits)
+        if not seq.done:
+            seq.row = self.cache.admit(prefill)
+            self.live.append(seq)
+        return seq
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One decode step for every live sequence (each gets one more token); returns the sequences that finished
+        in it (they have left the batch)."""
+        if not self.live:
+            return []
+        last = torch.tensor([[s.tokens[-1]] for s in self.live], dtype=torch.long, device=self.device)
+        logits = self.model.forward_cached(last, self.cache.positions(self.device), self.cache, None)[:, -1]
+        append_next(self.live, logits)
+        finished = [s for s in self.live if s.done]
+        for seq in finished:
+            self.drop(seq)
+        return finished
+
+    def drop(self, seq: Sequence) -> None:
+        """Take a live sequence out of the batch now (finished, or abandoned by its caller); its row is freed."""
+        if seq.row < 0 or seq.row >= len(self.live) or self.live[seq.row] is not seq:
+            return
+        moved = self.cache.release(seq.row)
+        self.live[seq.row] = self.live[-1]
+        self.live.pop()
+        if moved is not None:
+            self.live[seq.row].row = seq.row
+        seq.row = -1
+        seq.done = True
+
+
+def append_next(seqs: list[Sequence], logits: torch.Tensor) -> None:
+    """Pick the next token of each sequence from its row of ``logits [len(seqs), vocab]`` (greedy rows in one
+    argmax; sampled rows one by one under their own settings and generator) and append it with its log-prob (of
+    the untempered logits, as ``generate`` reports); mark the sequences that are done."""
+    chosen = logits.argmax(dim=-1)
+    for i, seq in enumerate(seqs):
+        cfg = seq.config
+        if not cfg.greedy:
+            chosen[i] = next_tokens(logits[i:i + 1], greedy=False, temperature=cfg.temperature, top_k=cfg.top_k,
+                                    top_p=cfg.top_p, generator=seq.generator)[0]
+    logprobs = token_logprobs(logits.float(), chosen).tolist()
+    for seq, token, logprob in zip(seqs, chosen.tolist(), logprobs, strict=True):
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.done = token in seq.config.stop_tokens or len(seq.tokens) >= seq.config.max_new_tokens

@@ -1,0 +1,69 @@
+"""Continuous batching's interface on onnxruntime: the exported graph's cache is one ``past`` length for a whole
+batch, so each sequence keeps its own ``present`` arrays and a step runs one session call per live sequence
+(sequences still join and leave between steps; only the torch engine shares one forward between them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from crosstrain.errors import ConfigError
+from crosstrain.generation.continuous import Sequence, append_next
+
+
+class OrtBatch:
+    """The :class:`~crosstrain.generation.ContinuousBatch` interface (``add``, ``step``, ``drop``, ``free``,
+    ``live``) over a :class:`~crosstrain.plugins.export.generate.OrtEngine`."""
+
+    def __init__(self, engine: Any, slots: int) -> None:
+        self.engine = engine
+        self.slots = slots
+        self.max_len = int(engine.config.max_seq_len)
+        self.live: list[Sequence] = []
+        self._past: dict[int, list[np.ndarray]] = {}
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self.live)
+
+    def _forward(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+        logits, past = self.engine.forward(np.asarray([ids], dtype=np.int64), self._past[id(seq)])
+        self._past[id(seq)] = past
+        return torch.from_numpy(np.ascontiguousarray(logits[:, -1]))
+
+    def add(self, seq: Sequence) -> Sequence:
+        total = len(seq.prompt) + seq.config.max_new_tokens
+        if not seq.prompt:
+            raise ConfigError("every prompt needs at least one token")
+        if total > self.max_len:
+            raise ConfigError(f"prompt ({len(seq.prompt)} tokens) + max_new_tokens {seq.config.max_new_tokens} = "
+                              f"{total} exceeds the model's context of {self.max_len} tokens; shorten the prompt "
+                              "or lower max_new_tokens")
+        if seq.config.max_new_tokens == 0:
+            seq.done = True
+            return seq
+        self._past[id(seq)] = self.engine.empty_cache(1)
+        append_next([seq], self._forward(seq, seq.prompt))
+        if seq.done:
+            self._past.pop(id(seq), None)
+        else:
+            self.live.append(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        if not self.live:
+            return []
+        logits = torch.cat([self._forward(s, [s.tokens[-1]]) for s in self.live])
+        append_next(self.live, logits)
+        finished = [s for s in self.live if s.done]
+        for seq in finished:
+            self.drop(seq)
+        return finished
+
+    def drop(self, seq: Sequence) -> None:
+        if seq in self.live:
+            self.live.remove(seq)
+        self._past.pop(id(seq), None)
+        seq.done = True
