@@ -10,7 +10,7 @@ therefore mean the same thing in both layouts; tests/test_hf_models.py checks lo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: per-block names: crosstrain suffix -> HF suffix (``layers.{i}.`` / ``model.layers.{i}.`` prefixes).
 _BLOCK = {
@@ -32,6 +32,13 @@ _TOP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+#: Gemma 2/3: ``post_attention_layernorm`` is the norm *after* attention; the MLP has a pre and a post norm.
+_GEMMA_BLOCK = {
+    **{k: v for k, v in _BLOCK.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
 _CT_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: HF keys that are not parameters (rotary tables some older checkpoints saved); skipped on import.
@@ -40,16 +47,18 @@ _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 @dataclass(frozen=True)
 class StateDictAdapter:
-    """Maps names of one family; ``from_hf`` returns None for keys that carry no weights."""
+    """Maps names of one family (per-block names ``block``: crosstrain suffix -> HF suffix); ``from_hf`` returns
+    None for keys that carry no weights."""
 
     family: str
+    block: dict[str, str] = field(default_factory=lambda: _BLOCK, compare=False, hash=False)
 
     def to_hf(self, name: str) -> str:
         if name in _TOP:
             return _TOP[name]
         m = _CT_BLOCK.match(name)
-        if m and m.group(2) in _BLOCK:
-            return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+        if m and m.group(2) in self.block:
+            return f"model.layers.{m.group(1)}.{self.block[m.group(2)]}"
         raise KeyError(f"{name!r} has no {self.family} equivalent")
 
     def from_hf(self, name: str) -> str | None:
@@ -60,14 +69,18 @@ class StateDictAdapter:
                 return ours
         m = _HF_BLOCK.match(name)
         if m:
-            for ours, theirs in _BLOCK.items():
+            for ours, theirs in self.block.items():
                 if m.group(2) == theirs:
                     return f"layers.{m.group(1)}.{ours}"
         raise KeyError(f"{name!r} is not a {self.family} weight crosstrain knows")
 
 
-#: Llama, Mistral and Qwen2 share transformers' Llama module names (Qwen2 adds the q/k/v biases listed above).
-ADAPTERS: dict[str, StateDictAdapter] = {name: StateDictAdapter(name) for name in ("llama", "mistral", "qwen2")}
+#: Llama, Mistral and Qwen2 share transformers' Llama module names (Qwen2 adds the q/k/v biases listed above);
+#: Gemma 2/3 name their sandwich norms their own way.
+ADAPTERS: dict[str, StateDictAdapter] = {
+    **{name: StateDictAdapter(name) for name in ("llama", "mistral", "qwen2")},
+    **{name: StateDictAdapter(name, _GEMMA_BLOCK) for name in ("gemma2", "gemma3_text")},
+}
 
 
 def adapter_for(model_type: str) -> StateDictAdapter:
