@@ -21,9 +21,9 @@ the model keeps ``scaled_dot_product_attention(is_causal=True)``, so its numeric
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from collections.abc import Callable
 from typing import Any
 
 import torch
