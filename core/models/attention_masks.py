@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -167,10 +167,10 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Atte
                       kv_idx: torch.Tensor) -> torch.Tensor:
             return softcap_scores(score, softcap)
 
-    fn = _compiled_flex() if compiled else fa.flex_attention
+    fn: Any = _compiled_flex() if compiled else fa.flex_attention
     out = fn(q, k, v, score_mod=score_mod, block_mask=mask.block_mask(q.device, q.shape[1]), scale=scale,
              enable_gqa=k.shape[1] != q.shape[1])
-    return out  # type: ignore[no-any-return]
+    return cast(torch.Tensor, out)
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, *,
