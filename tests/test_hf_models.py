@@ -119,14 +119,13 @@ def _write_config(folder: Path, **changes: object) -> Path:
 
 
 @pytest.mark.parametrize(("kind", "changes", "field"), [
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "rope_parameters": None}, "rope_scaling"),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ("llama", {"rope_scaling": {"rope_type": "proportional", "factor": 8.0}, "rope_parameters": None}, "rope_scaling"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.factor"),
     ("mistral", {"sliding_window": 64}, "sliding_window=64"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
-    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"model_type": "gpt2"}, "model_type='gpt2'"),
-    ("llama", {"head_dim": 32}, "head_dim=32"),
 ])
 def test_unsupported_options_are_one_line_errors(
     hf_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str,

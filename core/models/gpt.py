@@ -13,7 +13,7 @@ a module with its own plan), ``GPT.pipeline_split`` and ``GPT.ac_units`` (the bl
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from crosstrain import kernels
 from crosstrain.generation.cache import StaticKVCache
 from crosstrain.models.attention_masks import AttentionMask, attention, masked_attention, softcap_scores
+from crosstrain.models.rope import rope_tables
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,16 @@ class GPTConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False  # biases on wq/wk/wv (Qwen2); off keeps the default model's parameters and RNG draws
+    # -- Hugging Face families (Llama 3 rope scaling, Qwen3, Phi-3, OLMo 2, SmolLM3; docs/models.md). Every default
+    # is off: the default model's parameters, their creation order and its random draws are unchanged. --
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)  # HF rope_parameters (crosstrain.models.rope)
+    rotary_fraction: float = 1.0  # partial_rotary_factor: rotate only the first int(head_dim * f) channels (Phi-3)
+    attn_head_dim: int = 0  # explicit head_dim (Qwen3: head_dim * n_heads may differ from dim); 0 = dim // n_heads
+    qk_norm: str = ""  # "head": RMSNorm of each q/k head (Qwen3); "proj": of the whole q/k projection (OLMo 2)
+    out_bias: bool = False  # bias on wo (Llama's attention_bias sets it with qkv_bias)
+    mlp_bias: bool = False  # biases on w1/w3/w2
+    post_norm: bool = False  # OLMo 2: attention_norm/ffn_norm on each sublayer's output, before the residual add
+    nope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3's no_rope_layers == 0)
     # -- sliding windows, soft-capping and Gemma's layout (crosstrain.models.attention_masks, models/hf/gemma.py);
     #    every default below leaves the Llama-style GPT above unchanged, parameters and numerics --
     sliding_window: int = 0  # keys a query sees, itself included (Mistral, Qwen2, Gemma); 0: unbounded
@@ -49,11 +60,13 @@ class GPTConfig:
     attn_softcap: float = 0.0  # attention scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
     final_softcap: float = 0.0  # the same on the output logits (Gemma 2); 0: off
     embed_scale: bool = False  # embeddings times sqrt(dim) (Gemma)
-    norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w initialised to 0 (Gemma)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w initialised to 0 (Gemma; its q/k norms too)
     sandwich_norm: bool = False  # norms after attention and after the MLP too, before each residual add (Gemma 2/3)
     mlp_act: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.nope_layers, tuple):  # JSON gives lists
+            object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
         object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))  # JSON gives lists
         if self.layer_windows and len(self.layer_windows) != self.n_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for n_layers={self.n_layers}")
@@ -61,10 +74,14 @@ class GPTConfig:
     def window_of(self, layer: int) -> int:
         """The sliding window of block ``layer`` (0: global attention)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
-
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head the rotary embedding turns (``int(head_dim * rotary_fraction)``, transformers')."""
+        return self.head_dim if self.rotary_fraction == 1.0 else int(self.head_dim * self.rotary_fraction)
 
     @property
     def kv_heads(self) -> int:
@@ -90,13 +107,6 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` tables ``[max_seq_len, head_dim/2]`` for the rotate-half convention."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019); ``plus_one``: the scale is ``1 + weight`` with ``weight`` starting at 0,
     as Gemma stores it (transformers' ``Gemma3RMSNorm``)."""
@@ -114,12 +124,120 @@ class RMSNorm(nn.Module):
         (nn.init.zeros_ if self.plus_one else nn.init.ones_)(self.weight)
 
 
+class ProjectionNorm(RMSNorm):
+    """RMSNorm over a whole q or k projection (OLMo 2's ``q_norm``/``k_norm``, all heads at once).
+
+    Under tensor parallelism (:meth:`Attention.tp_plan`) the weight is a DTensor sharded like the projection's
+    columns and each rank holds only its heads' channels, so the mean square is summed over the tp ranks (an
+    autograd all-reduce, Megatron's ``g``/``f`` pair in one) before normalising: the same numbers as one process."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(self.weight, DTensor):
+            return kernels.rms_norm(x, self.weight, self.eps)
+        weight = self.weight.to_local()
+        xf = x.float()
+        square_sum = _AllReduceSum.apply(xf.pow(2).sum(dim=-1, keepdim=True), self.weight.device_mesh.get_group())
+        out = xf * torch.rsqrt(square_sum / self.weight.shape[0] + self.eps)
+        return (out * weight.float()).to(x.dtype)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the tp group forward and backward: every rank's partial sum feeds every rank's output."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sharded_norm_style() -> Any:
+    """A tp style for :class:`ProjectionNorm`: its weight sharded on dim 0 like the projection it follows."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ShardedNorm(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            weight = cast(nn.Parameter, module.weight)
+            module.weight = nn.Parameter(distribute_tensor(weight.data, device_mesh, [Shard(0)]),
+                                         requires_grad=weight.requires_grad)
+            return module
+
+    return ShardedNorm()
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the tp group. For a replicated weight used on each
+    rank's own heads only (Qwen3's per-head q/k norm), whose local gradient covers only those heads."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class HeadNorm(RMSNorm):
+    """RMSNorm of each head over ``head_dim`` (Qwen3's ``q_norm``/``k_norm``), one weight shared by all heads.
+
+    Under tensor parallelism the weight is a replicated DTensor (:meth:`Attention.tp_plan`) and its gradient is
+    summed over the tp ranks, since each rank normalises only its own heads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            weight = _SumGradOverTP.apply(weight.to_local(), weight.device_mesh.get_group())
+        return kernels.rms_norm(x, weight + 1.0 if self.plus_one else weight, self.eps)
+
+
+def _replicated_norm_style() -> Any:
+    """A tp style for :class:`HeadNorm`: its weight a replicated DTensor on the tp mesh."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicatedNorm(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            weight = cast(nn.Parameter, module.weight)
+            module.weight = nn.Parameter(distribute_tensor(weight.data, device_mesh, [Replicate()]),
+                                         requires_grad=weight.requires_grad)
+            return module
+
+    return ReplicatedNorm()
+
+
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary kernel on ``x [B, T, H, D]`` with shared ``[T, D/2]`` tables, or per-row ``[B, T, D/2]`` ones
-    (packed documents): those are applied on ``[B*T, H, D]`` so every kernel sees its documented 2-D tables."""
+    """The rotary kernel on ``x [B, T, H, D]`` with shared ``[T, R/2]`` tables, or per-row ``[B, T, R/2]`` ones
+    (packed documents): those are applied on ``[B*T, H, D]`` so every kernel sees its documented 2-D tables.
+    Tables narrower than the head (``R < D``, partial rotary) turn the first ``R`` channels and pass the rest, as
+    transformers' Phi-3 ``apply_rotary_pos_emb`` does."""
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((_rotary(x[..., :rotary].contiguous(), cos, sin), x[..., rotary:]), dim=-1)
     if cos.dim() == 2:
         return kernels.rotary_embedding(x, cos, sin)
     b, t, h, d = x.shape
@@ -128,16 +246,42 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, rotary: bool = True) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.rotary = rotary  # False: a NoPE layer (SmolLM3)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
         self.scale = cfg.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
         self.softcap = cfg.attn_softcap
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm == "head":
+            self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_plus_one)
+            self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_plus_one)
+        elif cfg.qk_norm == "proj":
+            self.q_norm = ProjectionNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = ProjectionNorm(cfg.kv_heads * cfg.head_dim, cfg.norm_eps)
+        elif cfg.qk_norm:
+            raise ValueError(f"qk_norm={cfg.qk_norm!r}; use 'head', 'proj' or ''")
 
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v ``[B, T, H, D]``: projections, q/k norms (whole projection for OLMo 2, per head for Qwen3) and
+        rotary embeddings, in transformers' order."""
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if isinstance(self.q_norm, ProjectionNorm):
+            q, k = self.q_norm(q), cast(RMSNorm, self.k_norm)(k)
+        q = q.view(bsz, seqlen, -1, self.head_dim)
+        k = k.view(bsz, seqlen, -1, self.head_dim)
+        v = v.view(bsz, seqlen, -1, self.head_dim)
+        if isinstance(self.q_norm, HeadNorm):
+            q, k = self.q_norm(q), cast(RMSNorm, self.k_norm)(k)
+        if self.rotary:
+            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        return q, k, v
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,
         mask: AttentionMask | None = None,
@@ -145,11 +289,7 @@ class Attention(nn.Module):
         """``mask`` (None: causal) says who sees whom: a sliding window, packed documents; see
         :mod:`crosstrain.models.attention_masks`."""
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        q = _rotary(q, cos, sin)
-        k = _rotary(k, cos, sin)
+        q, k, v = self.qkv(x, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if past is not None:
             k = torch.cat((past[0], k), dim=2)
@@ -179,9 +319,7 @@ class Attention(nn.Module):
         """Attention for new tokens ``x [B, L, dim]`` with per-row rotary tables ``[B, L, head_dim/2]``: their
         keys/values are written into ``cache`` in place, and sdpa reads only the filled slots under ``mask``."""
         bsz, seqlen, _ = x.shape
-        q = _rotary(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
-        k = _rotary(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x, cos, sin))
         keys, values = cache.write(layer, k, v)
         out = masked_attention(q, keys, values, mask, scale=self.scale, softcap=self.softcap)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
@@ -190,15 +328,19 @@ class Attention(nn.Module):
         """q/k/v column-parallel (each tp rank owns ``n_heads / tp`` heads), ``wo`` row-parallel (all-reduced)."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        return {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
+        plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
+        if self.q_norm is not None:  # each rank's heads: the norm's weight sharded (OLMo 2) or replicated (Qwen3)
+            style = _sharded_norm_style if isinstance(self.q_norm, ProjectionNorm) else _replicated_norm_style
+            plan.update({"q_norm": style(), "k_norm": style()})
+        return plan
 
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.mlp_bias)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.mlp_bias)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)  # down
         self.act = cfg.mlp_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,10 +356,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """Pre-norm (``x + f(norm(x))``, Llama) or, with ``post_norm``, OLMo 2's ``x + norm(f(x))`` for each sublayer."""
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
+        self.post_norm = cfg.post_norm
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_plus_one)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, rotary=layer not in cfg.nope_layers)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_plus_one)
         self.feed_forward = FeedForward(cfg)
         # Gemma 2/3's "sandwich": each sublayer's output is normalised again before the residual add
@@ -231,12 +376,19 @@ class Block(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,
         mask: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
+        if self.post_norm:
+            attn, present = self.attention(x, cos, sin, past, mask)
+            h = x + self.attention_norm(attn)
+            return h + self.ffn_norm(self.feed_forward(h)), present
         attn, present = self.attention(self.attention_norm(x), cos, sin, past, mask)
         h = x + self._post(self.post_attention_norm, attn)
         return h + self._post(self.post_ffn_norm, self.feed_forward(self.ffn_norm(h))), present
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
                        layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.post_norm:
+            h = x + self.attention_norm(self.attention.forward_cached(x, cos, sin, cache, layer, mask))
+            return h + self.ffn_norm(self.feed_forward(h))
         attn = self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer, mask)
         h = x + self._post(self.post_attention_norm, attn)
         return h + self._post(self.post_ffn_norm, self.feed_forward(self.ffn_norm(h)))
@@ -250,20 +402,20 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        if cfg.dim % cfg.n_heads:
+        if cfg.dim % cfg.n_heads and not cfg.attn_head_dim:
             raise ValueError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
         if cfg.n_heads % cfg.kv_heads:
             raise ValueError(f"model.n_heads={cfg.n_heads} must be divisible by model.n_kv_heads={cfg.kv_heads}")
         self.config = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_plus_one)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if cfg.local_rope_theta:  # windowed layers rotate with their own base (Gemma 3)
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.local_rope_theta)
+            cos, sin = rope_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.local_rope_theta)
             self.register_buffer("rope_local_cos", cos, persistent=False)
             self.register_buffer("rope_local_sin", sin, persistent=False)
         self.tie_weights()
@@ -272,13 +424,13 @@ class GPT(nn.Module):
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """(Re)initialise parameters and rope tables; used after building on the meta device."""
         cfg = self.config
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         device = buffer_device or self.rope_cos.device
         if device.type != "meta":
             self.rope_cos = cos.to(device)
             self.rope_sin = sin.to(device)
             if cfg.local_rope_theta:
-                cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.local_rope_theta)
+                cos, sin = rope_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.local_rope_theta)
                 self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, std=0.02)
@@ -288,11 +440,13 @@ class GPT(nn.Module):
                         block.feed_forward.w3):
                 nn.init.normal_(lin.weight, std=0.02)
             nn.init.normal_(block.attention.wo.weight, std=out_std)
-            for lin in (block.attention.wq, block.attention.wk, block.attention.wv):
+            nn.init.normal_(block.feed_forward.w2.weight, std=out_std)
+            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.attention.wo,
+                        block.feed_forward.w1, block.feed_forward.w3, block.feed_forward.w2):
                 if lin.bias is not None:  # zeros draw no random numbers: the weights' RNG stream is unchanged
                     nn.init.zeros_(lin.bias)
-            nn.init.normal_(block.feed_forward.w2.weight, std=out_std)
-            for norm in (block.attention_norm, block.ffn_norm, block.post_attention_norm, block.post_ffn_norm):
+            for norm in (block.attention_norm, block.ffn_norm, block.attention.q_norm, block.attention.k_norm,
+                         block.post_attention_norm, block.post_ffn_norm):
                 if norm is not None:
                     norm.reset_parameters()
         if self.norm is not None:
@@ -445,7 +599,7 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (6N + attention), as in the PaLM/torchtitan MFU estimate."""
         cfg = self.config
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_layers * cfg.dim * seq_len
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
 def build_gpt(preset: str = "tiny", **overrides: object) -> GPT:

@@ -1,5 +1,6 @@
 """The built-in ``gpt`` family: :class:`~crosstrain.models.gpt.GPT`, its presets, its run-config reading, checks,
-estimates, Hugging Face adapters (Llama, Mistral, Qwen2) and scalar head (see :mod:`crosstrain.models.family`).
+estimates, Hugging Face adapters (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, SmolLM3) and scalar head
+(see :mod:`crosstrain.models.family`).
 
 Its parallel plans are methods of its modules (``tp_plan`` on ``GPT``, ``Attention`` and ``FeedForward``;
 ``GPT.pipeline_split``; ``GPT.ac_units``: the blocks, which are also the FSDP2 units).
@@ -17,6 +18,7 @@ from crosstrain.errors import ConfigError
 from crosstrain.models.family import ModelFamily
 from crosstrain.models.gpt import GPT, PRESETS, GPTConfig
 from crosstrain.models.hf.adapter import ADAPTERS
+from crosstrain.models.rope import max_exact_len
 
 #: the ``model.*`` keys that override a preset's shape (``vocab_size`` apart: it may follow the tokenizer)
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings", "qkv_bias",
@@ -61,10 +63,16 @@ def _pretrained_config(config: Any) -> GPTConfig:
 
 def check(cfg: GPTConfig, config: Any) -> None:
     """The shape against itself, ``train.seq_len`` and the byte-level corpus."""
-    if cfg.dim % cfg.n_heads:
+    if cfg.dim % cfg.n_heads and not cfg.attn_head_dim:
         raise ConfigError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
     if cfg.n_heads % cfg.kv_heads:
         raise ConfigError(f"model.n_heads={cfg.n_heads} must be divisible by model.n_kv_heads={cfg.kv_heads}")
+    limit = max_exact_len(cfg.rope_scaling)
+    if limit is not None and cfg.max_seq_len > limit:
+        kind = cfg.rope_scaling["rope_type"] if cfg.rope_scaling else ""
+        raise ConfigError(f"model.max_seq_len={cfg.max_seq_len} exceeds {limit}, the context within which "
+                          f"rope_parameters.rope_type={kind!r} has fixed frequencies (transformers rescales them "
+                          f"for longer sequences); set model.max_seq_len <= {limit}")
     if config.train.seq_len > cfg.max_seq_len:
         raise ConfigError(
             f"train.seq_len={config.train.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "

@@ -163,11 +163,14 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     adapter = adapter_for(hf_config["model_type"])
     order = [n for n in _expected(cfg) if n in src.shapes and not (cfg.tie_embeddings and n == "output.weight")]
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
-    sizes = [(n, itemsize * int(torch.Size(src.shapes[n]).numel())) for n in order]
+    # one unit per HF tensor (a fused one, e.g. Phi-3's qkv_proj, gathers its crosstrain members)
+    groups = {adapter.to_hf(g[0]): g for g in adapter.export_groups(order)}
+    sizes = [(h, itemsize * sum(int(torch.Size(src.shapes[n]).numel()) for n in g)) for h, g in groups.items()]
     shards = plan_shards(sizes, parse_size(max_shard_size))
 
-    def load(names: list[str]) -> dict[str, torch.Tensor]:
-        return {adapter.to_hf(n): t.to(torch_dtype) for n, t in src.load(names).items()}
+    def load(hf_names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = src.load([n for h in hf_names for n in groups[h]])
+        return {h: t.to(torch_dtype) for h, t in adapter.to_hf_tensors(tensors).items()}
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")

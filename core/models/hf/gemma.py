@@ -59,17 +59,13 @@ def gemma_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPT
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"{where}: hidden_activation={act!r} is not supported; crosstrain's Gemma MLP is GeGLU "
                           "with tanh GELU (gelu_pytorch_tanh)")
-    for field in ("attention_bias", "use_bidirectional_attention"):
-        if cfg.get(field):
-            raise ConfigError(f"{where}: {field}=true is not supported for {model_type}; set it to false")
-    if model_type == "gemma3_text":
-        raise ConfigError(f"{where}: model_type='gemma3_text' needs q/k norms, which this build lacks")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError(f"{where}: use_bidirectional_attention=true is not supported (crosstrain trains causal "
+                          "language models); set it to false")
+    bias = bool(cfg.get("attention_bias"))  # q/k/v and o_proj biases
     try:
         dim, heads, n_layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
         head_dim = int(cfg.get("head_dim") or dim // heads)
-        if head_dim * heads != dim:
-            raise ConfigError(f"{where}: head_dim={head_dim} with num_attention_heads={heads} does not give "
-                              f"hidden_size={dim}; crosstrain needs head_dim = hidden_size / num_attention_heads")
         theta, local_theta = _rope_thetas(cfg, model_type, where)
         window = int(cfg.get("sliding_window") or 0)
         types = _layer_types(cfg, model_type, n_layers)
@@ -81,6 +77,8 @@ def gemma_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPT
             n_kv_heads=int(cfg.get("num_key_value_heads") or heads), ffn_dim=int(cfg["intermediate_size"]),
             max_seq_len=int(cfg.get("max_position_embeddings", 8192)), rope_theta=theta,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attn_head_dim=head_dim if head_dim * heads != dim else 0, qkv_bias=bias, out_bias=bias,
+            qk_norm="head" if model_type == "gemma3_text" else "",
             layer_windows=windows, local_rope_theta=local_theta if local_theta != theta else 0.0,
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
@@ -92,8 +90,8 @@ def gemma_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPT
 
 
 def gemma_model_type(cfg: GPTConfig) -> str:
-    """``gemma3_text`` when the GPT has Gemma 3's local rope base, else ``gemma2``."""
-    return "gemma3_text" if cfg.local_rope_theta else "gemma2"
+    """``gemma3_text`` when the GPT has Gemma 3's q/k norms, else ``gemma2``."""
+    return "gemma3_text" if cfg.qk_norm == "head" else "gemma2"
 
 
 def hf_config_from_gemma(
@@ -101,8 +99,7 @@ def hf_config_from_gemma(
     bos_id: int | None = None, eos_id: int | None = None,
 ) -> dict[str, Any]:
     """A Gemma ``config.json`` for ``cfg`` (``base``'s other fields kept when it is the imported config)."""
-    model_type = str(base["model_type"]) if base is not None and base.get("model_type") in ARCHITECTURES \
-        else gemma_model_type(cfg)
+    model_type = gemma_model_type(cfg)
     out: dict[str, Any] = {}
     if base is not None and base.get("model_type") == model_type:
         out.update({k: v for k, v in base.items() if not k.startswith("_")})
@@ -124,7 +121,7 @@ def hf_config_from_gemma(
         "sliding_window": window or None,
         "layer_types": ["sliding_attention" if w else "full_attention" for w in windows],
         "attn_logit_softcapping": cfg.attn_softcap or None, "final_logit_softcapping": cfg.final_softcap or None,
-        "attention_bias": False, "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
+        "attention_bias": cfg.out_bias, "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
     })
     if model_type == "gemma3_text":
         local = cfg.local_rope_theta or cfg.rope_theta

@@ -65,23 +65,23 @@ def load_hf_weights(model: GPT, folder: str | os.PathLike[str]) -> None:
     adapter = adapter_for(str(read_hf_config(folder)["model_type"]))
     params = model.state_dict(keep_vars=True)
     seen: set[str] = set()
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
     for hf_name, tensor in iter_tensors(folder):
         try:
-            name = adapter.from_hf(hf_name)
+            pieces = adapter.from_hf_tensor(hf_name, tensor, shapes)
         except KeyError as exc:
             raise ConfigError(f"{folder}: {exc.args[0]}; only {adapter.family} checkpoints without extra modules "
                               "can be imported") from None
-        if name is None:
-            continue
-        if name not in params:
-            raise ConfigError(f"{folder}: weight {hf_name!r} has no place in the GPT built from its config.json "
-                              f"({name!r}); the config and the weights disagree")
-        target = params[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ConfigError(f"{folder}: {hf_name} has shape {tuple(tensor.shape)}, but config.json gives "
-                              f"{tuple(target.shape)}")
-        target.copy_(tensor)
-        seen.add(name)
+        for name, piece in pieces:  # several for a fused tensor (Phi-3's qkv_proj), none for a skipped key
+            if name not in params:
+                raise ConfigError(f"{folder}: weight {hf_name!r} has no place in the GPT built from its config.json "
+                                  f"({name!r}); the config and the weights disagree")
+            target = params[name]
+            if tuple(piece.shape) != tuple(target.shape):
+                raise ConfigError(f"{folder}: {hf_name} has shape {tuple(tensor.shape)}, but config.json gives "
+                                  f"{tuple(target.shape)}")
+            target.copy_(piece)
+            seen.add(name)
     tied = {"output.weight"} if model.config.tie_embeddings else set()
     missing = sorted(set(params) - seen - tied)
     if missing:
