@@ -12,8 +12,9 @@ Two ways to compute it, chosen by what the device can do (:func:`attention_backe
   ``NotImplementedError`` for its backward, so CPU training cannot use it.
 * **chunked** — queries in chunks of ``chunk`` rows, each attending (SDPA) only to the keys it can see: the
   ``chunk x (chunk + window - 1)`` band around the diagonal, or from the earliest document start in the chunk.
-  Masks are built once per forward and shared by every layer, so peak attention memory grows with
-  ``T x window`` instead of ``T^2`` (``benchmarks/attention_masks.py``). Used everywhere else.
+  Masks are built once per forward and shared by every layer; the backward recomputes each chunk instead of
+  saving its scores, so peak attention memory grows with ``T x window`` instead of ``T^2``
+  (``benchmarks/attention_masks.py``). Used everywhere else.
 
 Plain causal attention (no window shorter than the sequence, no documents, no soft-capping) is not routed here:
 the model keeps ``scaled_dot_product_attention(is_causal=True)``, so its numerics do not change.
@@ -29,8 +30,10 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-#: query rows per chunk of the chunked path (FlexAttention's block size, so both paths skip the same work).
-CHUNK = 128
+#: query rows per chunk of the chunked path. CPU SDPA pays per call: at T = 4096 with a 512 window, 128-row
+#: chunks ran 2-3x slower than 256- or 512-row ones, and 512-row ones held more transient memory (peak ratio to
+#: the dense mask 0.26 vs 0.23 for 256: benchmarks/attention_masks.py); masks stay ``chunk x (chunk + window - 1)``.
+CHUNK = 256
 
 
 def attention_backend(device: torch.device) -> str:
@@ -173,13 +176,49 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Atte
     return cast(torch.Tensor, out)
 
 
+def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float | None,
+                     softcap: float) -> torch.Tensor:
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    for s, e, ks, m in mask.chunks(q.device):
+        out[:, :, s:e] = masked_attention(q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e], m, scale=scale,
+                                          softcap=softcap)
+    return out
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """Chunked attention that saves only its inputs: the backward recomputes each chunk's attention and adds its
+    gradients into whole ``dq, dk, dv`` buffers (FlashAttention's recomputation, Dao et al. 2022, at chunk
+    granularity), so neither per-chunk scores nor full-size gradient copies per chunk are held."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+                scale: float | None, softcap: float) -> torch.Tensor:
+        ctx.mask, ctx.scale, ctx.softcap = mask, scale, softcap
+        ctx.save_for_backward(q, k, v)
+        return _chunked_forward(q, k, v, mask, scale, softcap)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for s, e, ks, m in ctx.mask.chunks(q.device):
+            with torch.enable_grad():
+                qc, kc, vc = (t.detach().requires_grad_() for t in (q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e]))
+                out = masked_attention(qc, kc, vc, m, scale=ctx.scale, softcap=ctx.softcap)
+                gq, gk, gv = torch.autograd.grad(out, (qc, kc, vc), grad[:, :, s:e])
+            dq[:, :, s:e] = gq
+            dk[:, :, ks:e] += gk
+            dv[:, :, ks:e] += gv
+        return dq, dk, dv, None, None, None
+
+
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, *,
                       scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
-    """Each chunk of queries attends only to the keys :meth:`AttentionMask.chunks` gives it (``k, v`` already
-    have ``q``'s head count)."""
-    outs = [masked_attention(q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e], m, scale=scale, softcap=softcap)
-            for s, e, ks, m in mask.chunks(q.device)]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    """Each chunk of queries attends only to the keys :meth:`AttentionMask.chunks` gives it (``k, v`` may have
+    fewer heads: grouped-query attention)."""
+    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _chunked_forward(q, k, v, mask, scale, softcap)
+    return cast(torch.Tensor, _ChunkedAttention.apply(q, k, v, mask, scale, softcap))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None, *,
@@ -195,7 +234,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attention
     mask = mask if mask is not None else AttentionMask(q.shape[2])
     if (mask.backend or attention_backend(q.device)) == "flex":
         return flex_attention(q, k, v, mask, scale=scale, softcap=softcap)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: chunks index heads one to one
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return chunked_attention(q, k, v, mask, scale=scale, softcap=softcap)
