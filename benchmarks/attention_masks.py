@@ -9,8 +9,8 @@ construction included) above its value just before the first allocation, so it c
 softmax, outputs, saved activations and gradients, not the inputs q/k/v. (``tracemalloc`` sees no torch memory
 and RSS keeps freed pages, so neither is used.) Times: median wall seconds of the forward + backward, measured
 outside the profiler, ABBA-alternated. Last line JSON: ``window_mem_ratio`` (crosstrain / dense peak at T = 4096,
-window 512), ``window_workspace_ratio`` (the same above the floor every attention holds: its output and the q/k/v
-gradients, ``4 B H T D`` floats; the part that is ``T^2`` for the dense mask) and every layout's bytes and seconds.
+window 512), ``window_workspace_ratio`` (the same above the floor every attention's backward holds: the q/k/v gradients,
+``3 B H T D`` floats; what is left is the part that is ``T^2`` for the dense mask) and every layout's bytes and seconds.
 
     python benchmarks/attention_masks.py [--quick]
 """
@@ -86,8 +86,8 @@ def layout(t: int, window: int, docs: list[int] | None, rounds: int) -> dict[str
     for name, values in times.items():
         out[f"{name}_s"] = statistics.median(values)
     out["mem_ratio"] = out["crosstrain_peak_bytes"] / out["dense_peak_bytes"]
-    # what any attention must hold at its peak: the output and the three input gradients (fp32)
-    floor = 4 * B * H * t * D * 4
+    # what any attention's backward must produce: the q, k and v gradients (fp32)
+    floor = 3 * B * H * t * D * 4
     out["floor_bytes"] = floor
     out["workspace_ratio"] = (out["crosstrain_peak_bytes"] - floor) / (out["dense_peak_bytes"] - floor)
     out["time_ratio"] = out["crosstrain_s"] / out["dense_s"]
