@@ -33,10 +33,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": WINDOW, "head_dim": 32,
                                                      "query_pre_attn_scalar": 24}),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        "sliding_window": WINDOW, "head_dim": 32, "query_pre_attn_scalar": 24,
+        "sliding_window": WINDOW, "head_dim": 32, "query_pre_attn_scalar": 24,  # global layers: Gemma 3 4B's rope
         "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}),
+                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}}),
 }
 # what each family's GPTConfig must say (the mapping, not just the logits)
 EXPECTED = {
@@ -45,7 +45,8 @@ EXPECTED = {
     "gemma2": {"layer_windows": (WINDOW, 0), "attn_softcap": 50.0, "final_softcap": 30.0, "attn_head_dim": 32,
                "sandwich_norm": True, "tie_embeddings": True},
     "gemma3_text": {"layer_windows": (WINDOW, 0), "attn_softcap": 0.0, "qk_norm": "head",
-                    "local_rope_theta": 10_000.0, "rope_theta": 1_000_000.0},
+                    "local_rope_theta": 10_000.0, "rope_theta": 1_000_000.0,
+                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
 }
 
 
@@ -96,6 +97,7 @@ def test_logits_and_greedy_tokens_match_transformers(hf_dirs: dict[str, Path], k
     torch.testing.assert_close(_logits(ours, ids), _logits(ref, ids), atol=1e-5, rtol=0)
     # greedy decoding through the KV cache: prompt + 32 new tokens run far past the window
     prompt = _ids(6, batch=1, seed=1)
+    ref.generation_config.eos_token_id = None  # crosstrain generate without a tokenizer knows no EOS: 32 tokens
     with torch.no_grad():
         want = ref.generate(prompt, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(prompt))
     capsys.readouterr()
@@ -114,7 +116,7 @@ def test_round_trip_hf_crosstrain_hf_is_bit_exact(hf_dirs: dict[str, Path], tmp_
         assert torch.equal(after[name], tensor), name
     src, dst = (json.loads((d / "config.json").read_text()) for d in (hf_dirs[kind], out))
     for field in ("model_type", "sliding_window", "layer_types", "use_sliding_window", "query_pre_attn_scalar",
-                  "attn_logit_softcapping", "final_logit_softcapping", "head_dim"):
+                  "attn_logit_softcapping", "final_logit_softcapping", "head_dim", "rope_parameters"):
         if field in src:
             assert dst.get(field) == src[field], field
     ids = _ids(20)
@@ -174,3 +176,24 @@ def test_two_ranks_dp_shard_and_tp_equal_one_process(hf_dirs: dict[str, Path]) -
                                                rtol=0, msg=lambda m, k=f"{kind}/{name}/{key}": f"{k}: {m}")
                 for key in ("loss", "norm"):
                     assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (kind, name, key, got[key], want[key])
+
+
+@pytest.mark.parametrize(("kind", "changes", "field"), [
+    ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0},
+                                         "sliding_attention": {"rope_type": "default"}}},
+     "rope_parameters.full_attention.rope_type"),
+])
+def test_gemma_options_it_does_not_compute_are_one_line_refusals(
+    hf_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str,
+    changes: dict[str, Any], field: str,
+) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    cfg = json.loads((hf_dirs[kind] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+    capsys.readouterr()
+    assert main(["train", "--set", f"model.init_from={folder}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert field in err and len(err.splitlines()) == 1, err

@@ -597,9 +597,11 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (6N + attention), as in the PaLM/torchtitan MFU estimate."""
+        """Training FLOPs per token (6N + attention), as in the PaLM/torchtitan MFU estimate; a windowed layer
+        attends to at most ``window`` keys, so it counts ``min(seq_len, window)`` of them."""
         cfg = self.config
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+        keys = sum(min(seq_len, cfg.window_of(i) or seq_len) for i in range(cfg.n_layers))
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_heads * cfg.head_dim * keys
 
 
 def build_gpt(preset: str = "tiny", **overrides: object) -> GPT:

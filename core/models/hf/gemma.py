@@ -4,8 +4,9 @@ Gemma is the built-in GPT with (Gemma Team 2024, "Gemma 2", sec. 2; transformers
 ``modeling_gemma3.py``): embeddings times ``sqrt(hidden_size)``, RMSNorm scaling by ``1 + w``, a norm before *and*
 after attention and the MLP ("sandwich"), GeGLU with tanh GELU, softmax scale ``query_pre_attn_scalar ** -0.5``,
 alternating local (sliding window) and global layers (``layer_types``), tied embeddings; Gemma 2 soft-caps
-attention and final logits (``cap * tanh(x / cap)``); Gemma 3 normalises q and k per head and rotates its local
-layers with ``rope_local_base_freq``. Options the GPT does not compute are refused in one line naming the field.
+attention and final logits (``cap * tanh(x / cap)``); Gemma 3 normalises q and k per head, rotates its local
+layers with ``rope_local_base_freq`` and may scale its global layers' rope ``linear``ly. Options the GPT does not
+compute are refused in one line naming the field.
 """
 
 from __future__ import annotations
@@ -28,28 +29,36 @@ def _layer_types(cfg: dict[str, Any], model_type: str, n_layers: int) -> list[st
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
 
 
-def _rope_thetas(cfg: dict[str, Any], model_type: str, where: str) -> tuple[float, float]:
-    """(global theta, local theta or 0) from v5 ``rope_parameters`` (per layer type for Gemma 3) or v4 fields."""
+def _rope(cfg: dict[str, Any], model_type: str, where: str) -> tuple[float, float, dict[str, Any] | None]:
+    """(global theta, local theta or 0, the global layers' scaling) from v5 ``rope_parameters`` (per layer type for
+    Gemma 3, whose v4 ``rope_scaling`` applies to its global layers) or v4 fields. Gemma 3 4B+ scale their global
+    layers ``linear``ly; any other scaling is refused."""
     params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
     if model_type == "gemma3_text":
         full = dict(params.get("full_attention") or {})
+        full.update(scaling)
         local = dict(params.get("sliding_attention") or {})
         full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
         local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-        scaling = cfg.get("rope_scaling") or {}
-        kinds = {"rope_parameters.full_attention": full.get("rope_type"),
-                 "rope_parameters.sliding_attention": local.get("rope_type"),
-                 "rope_scaling": scaling.get("rope_type") or scaling.get("type")}
+        kinds = {"rope_parameters.full_attention.rope_type": (full.get("rope_type") or full.get("type"),
+                                                               ("linear",)),
+                 "rope_parameters.sliding_attention.rope_type": (local.get("rope_type"), ())}
     else:
         full, local = {"rope_theta": params.get("rope_theta") or cfg.get("rope_theta", 10_000.0)}, {}
-        scaling = cfg.get("rope_scaling") or {}
-        kinds = {"rope_parameters.rope_type": params.get("rope_type"),
-                 "rope_scaling": scaling.get("rope_type") or scaling.get("type")}
-    for field, kind in kinds.items():
-        if kind not in (None, "default"):
-            raise ConfigError(f"{where}: {field}={kind!r} is not supported for {model_type} (crosstrain implements "
-                              "plain rotary embeddings here); use a checkpoint without rope scaling")
-    return float(full["rope_theta"]), float(local.get("rope_theta", 0.0))
+        kinds = {"rope_parameters.rope_type": (params.get("rope_type"), ()),
+                 "rope_scaling": (scaling.get("rope_type") or scaling.get("type"), ())}
+    for field, (kind, allowed) in kinds.items():
+        if kind not in (None, "default", *allowed):
+            raise ConfigError(f"{where}: {field}={kind!r} is not supported for {model_type} (crosstrain computes "
+                              f"{', '.join(('default', *allowed))} there); use a checkpoint without it")
+    kind = full.get("rope_type") or full.get("type") or "default"
+    global_scaling = None
+    if kind == "linear":
+        if full.get("factor") is None:
+            raise ConfigError(f"{where}: rope_type='linear' needs rope_parameters.full_attention.factor; add it")
+        global_scaling = {"rope_type": "linear", "factor": float(full["factor"])}
+    return float(full["rope_theta"]), float(local.get("rope_theta", 0.0)), global_scaling
 
 
 def gemma_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTConfig:
@@ -66,7 +75,7 @@ def gemma_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPT
     try:
         dim, heads, n_layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
         head_dim = int(cfg.get("head_dim") or dim // heads)
-        theta, local_theta = _rope_thetas(cfg, model_type, where)
+        theta, local_theta, scaling = _rope(cfg, model_type, where)
         window = int(cfg.get("sliding_window") or 0)
         types = _layer_types(cfg, model_type, n_layers)
         from crosstrain.models.hf.config import layer_windows
@@ -79,7 +88,8 @@ def gemma_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPT
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             attn_head_dim=head_dim if head_dim * heads != dim else 0, qkv_bias=bias, out_bias=bias,
             qk_norm="head" if model_type == "gemma3_text" else "",
-            layer_windows=windows, local_rope_theta=local_theta if local_theta != theta else 0.0,
+            layer_windows=windows, rope_scaling=scaling,
+            local_rope_theta=local_theta if local_theta != theta or scaling else 0.0,
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
@@ -125,7 +135,8 @@ def hf_config_from_gemma(
     })
     if model_type == "gemma3_text":
         local = cfg.local_rope_theta or cfg.rope_theta
-        out["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        out["rope_parameters"] = {"full_attention": {"rope_type": "default", **(cfg.rope_scaling or {}),
+                                                     "rope_theta": cfg.rope_theta},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": local}}
         out.pop("rope_theta", None)
         out.pop("rope_local_base_freq", None)
