@@ -108,7 +108,7 @@ class AttentionMask:
             self._chunks = out
         return self._chunks
 
-    def block_mask(self, device: torch.device, heads: int) -> Any:
+    def block_mask(self, device: torch.device) -> Any:
         """The FlexAttention ``BlockMask`` (made once per forward and reused by every layer)."""
         if self._block_mask is None:
             from torch.nn.attention.flex_attention import create_block_mask
@@ -171,7 +171,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Atte
             return softcap_scores(score, softcap)
 
     fn: Any = _compiled_flex() if compiled else fa.flex_attention
-    out = fn(q, k, v, score_mod=score_mod, block_mask=mask.block_mask(q.device, q.shape[1]), scale=scale,
+    out = fn(q, k, v, score_mod=score_mod, block_mask=mask.block_mask(q.device), scale=scale,
              enable_gqa=k.shape[1] != q.shape[1])
     return cast(torch.Tensor, out)
 
