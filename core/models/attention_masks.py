@@ -216,6 +216,7 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: A
                       scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Each chunk of queries attends only to the keys :meth:`AttentionMask.chunks` gives it (``k, v`` may have
     fewer heads: grouped-query attention)."""
+    mask.chunks(q.device)  # built (once per forward) outside the autograd.Function, which torch.compile traces
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         return _chunked_forward(q, k, v, mask, scale, softcap)
     return cast(torch.Tensor, _ChunkedAttention.apply(q, k, v, mask, scale, softcap))
