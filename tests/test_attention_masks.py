@@ -153,3 +153,22 @@ def test_training_with_a_window_and_packed_documents_lowers_the_loss(tmp_path) -
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_torch_compile_traces_windowed_and_packed_attention() -> None:
+    """``parallel.compile`` wraps the GPT in torch.compile: the chunked path (an autograd.Function) must trace, and
+    give eager's logits and gradients."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=64, sliding_window=8))
+    tokens = torch.randint(0, 64, (2, 40))
+    doc_ids = (torch.arange(40) >= 17).long().expand(2, -1)
+    results = []
+    for fn in (model, torch.compile(model, backend="aot_eager")):  # one compile: window and documents together
+        model.zero_grad()
+        logits = fn(tokens, doc_ids=doc_ids)
+        logits.square().mean().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
