@@ -23,6 +23,7 @@ from torch import nn
 from crosstrain import kernels
 from crosstrain.generation.cache import StaticKVCache
 from crosstrain.models.attention_masks import AttentionMask, attention, masked_attention, softcap_scores
+from crosstrain.models.qk_norm import HeadNorm, ProjectionNorm, head_norm_style, projection_norm_style
 from crosstrain.models.rope import rope_tables
 
 
@@ -94,7 +95,10 @@ class GPTConfig:
         return 32 * math.ceil(8 * self.dim / 3 / 32)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as JSON gives them back (``nope_layers`` a list)."""
+        out = asdict(self)
+        out["nope_layers"] = list(self.nope_layers)
+        return out
 
 
 #: Presets from CPU-seconds to ~1B parameters (byte-level vocabulary unless overridden).
@@ -122,109 +126,6 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         (nn.init.zeros_ if self.plus_one else nn.init.ones_)(self.weight)
-
-
-class ProjectionNorm(RMSNorm):
-    """RMSNorm over a whole q or k projection (OLMo 2's ``q_norm``/``k_norm``, all heads at once).
-
-    Under tensor parallelism (:meth:`Attention.tp_plan`) the weight is a DTensor sharded like the projection's
-    columns and each rank holds only its heads' channels, so the mean square is summed over the tp ranks (an
-    autograd all-reduce, Megatron's ``g``/``f`` pair in one) before normalising: the same numbers as one process."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(self.weight, DTensor):
-            return kernels.rms_norm(x, self.weight, self.eps)
-        weight = self.weight.to_local()
-        xf = x.float()
-        square_sum = _AllReduceSum.apply(xf.pow(2).sum(dim=-1, keepdim=True), self.weight.device_mesh.get_group())
-        out = xf * torch.rsqrt(square_sum / self.weight.shape[0] + self.eps)
-        return (out * weight.float()).to(x.dtype)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the tp group forward and backward: every rank's partial sum feeds every rank's output."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group = group
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _sharded_norm_style() -> Any:
-    """A tp style for :class:`ProjectionNorm`: its weight sharded on dim 0 like the projection it follows."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    class ShardedNorm(ParallelStyle):
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            weight = cast(nn.Parameter, module.weight)
-            module.weight = nn.Parameter(distribute_tensor(weight.data, device_mesh, [Shard(0)]),
-                                         requires_grad=weight.requires_grad)
-            return module
-
-    return ShardedNorm()
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the tp group. For a replicated weight used on each
-    rank's own heads only (Qwen3's per-head q/k norm), whose local gradient covers only those heads."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class HeadNorm(RMSNorm):
-    """RMSNorm of each head over ``head_dim`` (Qwen3's ``q_norm``/``k_norm``), one weight shared by all heads.
-
-    Under tensor parallelism the weight is a replicated DTensor (:meth:`Attention.tp_plan`) and its gradient is
-    summed over the tp ranks, since each rank normalises only its own heads."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        weight = self.weight
-        if isinstance(weight, DTensor):
-            weight = _SumGradOverTP.apply(weight.to_local(), weight.device_mesh.get_group())
-        return kernels.rms_norm(x, weight + 1.0 if self.plus_one else weight, self.eps)
-
-
-def _replicated_norm_style() -> Any:
-    """A tp style for :class:`HeadNorm`: its weight a replicated DTensor on the tp mesh."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    class ReplicatedNorm(ParallelStyle):
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            weight = cast(nn.Parameter, module.weight)
-            module.weight = nn.Parameter(distribute_tensor(weight.data, device_mesh, [Replicate()]),
-                                         requires_grad=weight.requires_grad)
-            return module
-
-    return ReplicatedNorm()
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -256,8 +157,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
         self.scale = cfg.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
         self.softcap = cfg.attn_softcap
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        self.q_norm: HeadNorm | ProjectionNorm | None = None
+        self.k_norm: HeadNorm | ProjectionNorm | None = None
         if cfg.qk_norm == "head":
             self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_plus_one)
             self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_plus_one)
@@ -273,12 +174,12 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if isinstance(self.q_norm, ProjectionNorm):
-            q, k = self.q_norm(q), cast(RMSNorm, self.k_norm)(k)
+            q, k = self.q_norm(q), cast(ProjectionNorm, self.k_norm)(k)
         q = q.view(bsz, seqlen, -1, self.head_dim)
         k = k.view(bsz, seqlen, -1, self.head_dim)
         v = v.view(bsz, seqlen, -1, self.head_dim)
         if isinstance(self.q_norm, HeadNorm):
-            q, k = self.q_norm(q), cast(RMSNorm, self.k_norm)(k)
+            q, k = self.q_norm(q), cast(HeadNorm, self.k_norm)(k)
         if self.rotary:
             q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         return q, k, v
@@ -330,7 +231,7 @@ class Attention(nn.Module):
 
         plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
         if self.q_norm is not None:  # each rank's heads: the norm's weight sharded (OLMo 2) or replicated (Qwen3)
-            style = _sharded_norm_style if isinstance(self.q_norm, ProjectionNorm) else _replicated_norm_style
+            style = projection_norm_style if isinstance(self.q_norm, ProjectionNorm) else head_norm_style
             plan.update({"q_norm": style(), "k_norm": style()})
         return plan
 

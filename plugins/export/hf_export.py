@@ -1,7 +1,7 @@
 """``crosstrain export SOURCE --format hf --out DIR``: a Hugging Face model folder that transformers loads.
 
-Writes ``config.json`` (``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` for a model with q/k/v biases, or the
-model_type of the folder it was imported from), the weights as safetensors (``model.safetensors``, or numbered
+Writes ``config.json`` (``LlamaForCausalLM``, the family that computes the model's options, or the model_type of
+the folder it was imported from: ``hf_config_from_gpt``), the weights as safetensors (``model.safetensors``, or numbered
 shards + ``model.safetensors.index.json`` above ``--max-shard-size``) and the tokenizer files (the run's
 ``data.tokenizer`` folder, or a generated ``tokenizer.json`` for the byte tokenizer). From a checkpoint of any
 layout (FSDP/TP/PP shards) tensors are read one output shard at a time (:mod:`.stream`), so the model is never

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out for the built-in GPT (Llama, Mistral without sliding window, Qwen2).
+"""Hugging Face checkpoints in and out for the built-in GPT (Llama, Mistral and Qwen2 without sliding windows, Qwen3,
+Phi-3, OLMo 2, SmolLM3; see :mod:`.config`).
 
 Needs only safetensors and JSON; transformers is used by the tests to check parity, never by crosstrain.
 """

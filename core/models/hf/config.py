@@ -247,16 +247,19 @@ def hf_config_from_gpt(
         return hf_config_from_gemma(cfg, base=base, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
     model_type = _model_type(cfg)
     out: dict[str, Any] = {}
+    max_position = cfg.max_seq_len
     if base is not None and _base_fits(base, cfg):
         model_type = str(base["model_type"])
         out.update({k: v for k, v in base.items() if not k.startswith("_")})
+        if (cfg.rope_scaling or {}).get("rope_type") == "longrope":  # import capped max_seq_len at the original
+            max_position = max(max_position, int(base.get("max_position_embeddings") or 0))  # context: keep its own
     else:
         out.update({"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None})
     out.update({
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu", "max_position_embeddings": max_position, "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, **_rope_fields(cfg, model_type),
         "attention_bias": cfg.out_bias, "mlp_bias": cfg.mlp_bias, "use_cache": True,
         "dtype": dtype, "torch_dtype": dtype,  # transformers >= 4.56 reads "dtype", older versions "torch_dtype"
