@@ -153,6 +153,19 @@ def test_training_with_a_window_and_packed_documents_lowers_the_loss(tmp_path) -
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     assert losses[-1] < losses[0] - 0.5
+    # exported as a Mistral with the same window: transformers gives the same logits past the window
+    transformers = pytest.importorskip("transformers")
+    from crosstrain.cli.main import main
+    from crosstrain.plugins.export.loading import load_model
+
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["sliding_window"]) == ("mistral", 16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 256, (1, 50))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(run).model(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
 
 
 def test_torch_compile_traces_windowed_and_packed_attention() -> None:

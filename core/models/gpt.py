@@ -95,9 +95,10 @@ class GPTConfig:
         return 32 * math.ceil(8 * self.dim / 3 / 32)
 
     def to_dict(self) -> dict:
-        """The fields as JSON gives them back (``nope_layers`` a list)."""
+        """The fields as JSON gives them back (``nope_layers``, ``layer_windows`` lists)."""
         out = asdict(self)
         out["nope_layers"] = list(self.nope_layers)
+        out["layer_windows"] = list(self.layer_windows)
         return out
 
 
