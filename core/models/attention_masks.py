@@ -194,6 +194,8 @@ class _ChunkedAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
                 scale: float | None, softcap: float) -> torch.Tensor:
         ctx.mask, ctx.scale, ctx.softcap = mask, scale, softcap
+        device = q.device.type  # the backward recomputes under the forward's autocast state
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(q, k, v)
         return _chunked_forward(q, k, v, mask, scale, softcap)
 
@@ -201,8 +203,9 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v = ctx.saved_tensors
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        device, dtype, enabled = ctx.autocast
         for s, e, ks, m in ctx.mask.chunks(q.device):
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 qc, kc, vc = (t.detach().requires_grad_() for t in (q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e]))
                 out = masked_attention(qc, kc, vc, m, scale=ctx.scale, softcap=ctx.softcap)
                 gq, gk, gv = torch.autograd.grad(out, (qc, kc, vc), grad[:, :, s:e])
