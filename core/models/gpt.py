@@ -382,7 +382,8 @@ class GPT(nn.Module):
 
             positions = document_positions(doc_ids)  # per-row tables [B, T, head_dim/2]
             segments = segment_index(doc_ids)
-        masks = {w: AttentionMask(seqlen, w, segments) if w or segments is not None else None
+        shared = segments is not None or self.config.attn_softcap  # soft-capped global layers leave SDPA too
+        masks = {w: AttentionMask(seqlen, w, segments) if w or shared else None
                  for w in {self.config.window_of(int(key)) for key in self.layers}}  # built once, shared by layers
         presents: list[KVCache] = []
         for i, (key, block) in enumerate(self.layers.items()):
