@@ -241,8 +241,7 @@ def test_flops_count_the_attention_width_not_the_hidden_size(hf_dirs: dict[str, 
 
 # -- refusals --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("family", "changes", "field"), [
-    ("phi3", {"sliding_window": 32}, "sliding_window=32"),
-    ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["local", "global"]}, "layer_types"),
     ("llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
      "rope_parameters.low_freq_factor"),
     ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),

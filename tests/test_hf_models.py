@@ -121,8 +121,7 @@ def _write_config(folder: Path, **changes: object) -> Path:
 @pytest.mark.parametrize(("kind", "changes", "field"), [
     ("llama", {"rope_scaling": {"rope_type": "proportional", "factor": 8.0}, "rope_parameters": None}, "rope_scaling"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.factor"),
-    ("mistral", {"sliding_window": 64}, "sliding_window=64"),
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention"]}, "layer_types"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"model_type": "gpt2"}, "model_type='gpt2'"),

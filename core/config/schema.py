@@ -46,6 +46,8 @@ class ModelConfig(Section):
     max_seq_len: int | None = Field(default=None, ge=1)
     tie_embeddings: bool | None = None
     qkv_bias: bool | None = Field(default=None, description="biases on the q/k/v projections (as in Qwen2)")
+    sliding_window: int | None = Field(default=None, ge=0, description="each token attends to at most this many "
+                                       "tokens, itself included (Mistral-style); 0 = full causal attention")
     init_from: str = Field(default="", description="a Hugging Face model folder (any causal LM, see model.source): "
                            "its config.json gives the shape and its safetensors the initial weights; or a "
                            "crosstrain RUN_DIR, CHECKPOINT_DIR or FILE.safetensors (shape from model.*)")

@@ -72,15 +72,17 @@ class StaticKVCache:
         else:
             self.slot.add_(n)
 
-    def attention_mask(self, key_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    def attention_mask(self, key_mask: torch.Tensor | None, length: int, window: int = 0) -> torch.Tensor | None:
         """The sdpa mask for ``length`` new queries over what :meth:`write` returns: :func:`cached_attention_mask`,
         or in static mode over all ``max_len`` slots (``key_mask [B, max_len]`` or ``None``), where slots not
-        yet written are masked like future ones."""
+        yet written are masked like future ones. ``window`` > 0: a query sees only the last ``window`` slots."""
         if self.slot is None:
-            return cached_attention_mask(key_mask, self._length, length)
+            return cached_attention_mask(key_mask, self._length, length, window)
         rows = (self.slot + torch.arange(length, device=self.slot.device)).unsqueeze(1)
         cols = torch.arange(self.max_len, device=self.slot.device).unsqueeze(0)
         visible = cols <= rows  # [L, max_len]: the past and itself, never the unwritten tail
+        if window > 0:
+            visible = visible & (rows - cols < window)
         if key_mask is None:
             return visible
         return (key_mask[:, None, None, :] & visible) | (cols == rows)
@@ -89,21 +91,25 @@ class StaticKVCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
 
-def cached_attention_mask(key_mask: torch.Tensor | None, start: int, length: int) -> torch.Tensor | None:
+def cached_attention_mask(key_mask: torch.Tensor | None, start: int, length: int,
+                          window: int = 0) -> torch.Tensor | None:
     """The boolean sdpa mask ``[B, 1, L, start+L]`` (or ``[L, start+L]``) for ``L`` new queries at slots
-    ``[start, start+L)``; ``None`` when no mask is needed.
+    ``[start, start+L)``; ``None`` when no mask is needed. ``window`` > 0 hides keys ``window`` or more slots back
+    (a sliding window counts cache slots, as transformers' masks count cache positions).
 
     A query sees a key when the key is a real token (``key_mask [B, start+L]``; ``None``: every slot is real) and
     not in its future. Every query also sees itself, so a left-padding query never has an all-masked row (sdpa
     would return NaN there, and the NaN would reach real rows through the pad slots' keys and values in the next
     layer, as 0 * NaN). One new token over real keys needs no mask at all: the past is never its future.
     """
-    if length == 1:
+    if length == 1 and (window <= 0 or start < window):
         return None if key_mask is None else key_mask[:, None, None, :]
     device = key_mask.device if key_mask is not None else None
     rows = torch.arange(start, start + length, device=device).unsqueeze(1)
     cols = torch.arange(start + length, device=device).unsqueeze(0)
     causal = cols <= rows
+    if window > 0:
+        causal = causal & (rows - cols < window)
     if key_mask is None:
         return causal
     return (key_mask[:, None, None, :] & causal) | (cols == rows)

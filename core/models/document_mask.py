@@ -31,7 +31,8 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T, T]`` boolean mask, True where query ``i`` may attend key ``j``: ``j <= i`` and same document.
+    """``[B, T, T]`` boolean mask, True where query ``i`` may attend key ``j``: ``j <= i`` and same document. The
+    dense reference; the GPT attends through :mod:`crosstrain.models.attention_masks`, which never builds it.
 
     Every row keeps its diagonal, so no softmax row is empty (SDPA's boolean ``attn_mask`` convention).
     """

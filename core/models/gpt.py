@@ -22,6 +22,7 @@ from torch import nn
 
 from crosstrain import kernels
 from crosstrain.generation.cache import StaticKVCache
+from crosstrain.models.attention_masks import AttentionMask, attention, masked_attention, softcap_scores
 from crosstrain.models.qk_norm import HeadNorm, ProjectionNorm, head_norm_style, projection_norm_style
 from crosstrain.models.rope import rope_tables
 
@@ -51,11 +52,29 @@ class GPTConfig:
     mlp_bias: bool = False  # biases on w1/w3/w2
     post_norm: bool = False  # OLMo 2: attention_norm/ffn_norm on each sublayer's output, before the residual add
     nope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3's no_rope_layers == 0)
+    # -- sliding windows, soft-capping and Gemma's layout (crosstrain.models.attention_masks, models/hf/gemma.py);
+    #    every default below leaves the Llama-style GPT above unchanged, parameters and numerics --
+    sliding_window: int = 0  # keys a query sees, itself included (Mistral, Qwen2, Gemma); 0: unbounded
+    layer_windows: tuple[int, ...] = ()  # one window per layer (0: global), overriding sliding_window (Gemma)
+    local_rope_theta: float = 0.0  # rope base of windowed layers (Gemma 3's rope_local_base_freq); 0: rope_theta
+    attn_scale: float = 0.0  # softmax scale (Gemma: query_pre_attn_scalar ** -0.5); 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # attention scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
+    final_softcap: float = 0.0  # the same on the output logits (Gemma 2); 0: off
+    embed_scale: bool = False  # embeddings times sqrt(dim) (Gemma)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w initialised to 0 (Gemma; its q/k norms too)
+    sandwich_norm: bool = False  # norms after attention and after the MLP too, before each residual add (Gemma 2/3)
+    mlp_act: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
 
     def __post_init__(self) -> None:
         if not isinstance(self.nope_layers, tuple):  # JSON gives lists
             object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))  # JSON gives lists
+        if self.layer_windows and len(self.layer_windows) != self.n_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for n_layers={self.n_layers}")
 
+    def window_of(self, layer: int) -> int:
+        """The sliding window of block ``layer`` (0: global attention)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
@@ -76,9 +95,10 @@ class GPTConfig:
         return 32 * math.ceil(8 * self.dim / 3 / 32)
 
     def to_dict(self) -> dict:
-        """The fields as JSON gives them back (``nope_layers`` a list)."""
+        """The fields as JSON gives them back (``nope_layers``, ``layer_windows`` lists)."""
         out = asdict(self)
         out["nope_layers"] = list(self.nope_layers)
+        out["layer_windows"] = list(self.layer_windows)
         return out
 
 
@@ -93,16 +113,20 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm (Zhang & Sennrich 2019); ``plus_one``: the scale is ``1 + weight`` with ``weight`` starting at 0,
+    as Gemma stores it (transformers' ``Gemma3RMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight + 1.0 if self.plus_one else self.weight, self.eps)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.plus_one else nn.init.ones_)(self.weight)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -132,10 +156,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
+        self.scale = cfg.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
+        self.softcap = cfg.attn_softcap
         self.q_norm: HeadNorm | ProjectionNorm | None = None
         self.k_norm: HeadNorm | ProjectionNorm | None = None
         if cfg.qk_norm == "head":
-            self.q_norm, self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps), HeadNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_plus_one)
+            self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_plus_one)
         elif cfg.qk_norm == "proj":
             self.q_norm = ProjectionNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
             self.k_norm = ProjectionNorm(cfg.kv_heads * cfg.head_dim, cfg.norm_eps)
@@ -157,11 +184,12 @@ class Attention(nn.Module):
         if self.rotary:
             q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         return q, k, v
-
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,
-        mask: torch.Tensor | None = None,
+        mask: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
+        """``mask`` (None: causal) says who sees whom: a sliding window, packed documents; see
+        :mod:`crosstrain.models.attention_masks`."""
         bsz, seqlen, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
@@ -173,15 +201,18 @@ class Attention(nn.Module):
             rep = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        if mask is not None:  # packed documents: block-causal (crosstrain.models.document_mask)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif past is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
+        if past is not None:
             past_len = k.shape[2] - seqlen
             rows = torch.arange(seqlen, device=x.device).unsqueeze(1) + past_len
             cols = torch.arange(k.shape[2], device=x.device).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows)
+            visible = cols <= rows
+            if mask is not None and mask.window > 0:
+                visible = visible & (rows - cols < mask.window)
+            out = masked_attention(q, k, v, visible, scale=self.scale, softcap=self.softcap)
+        elif mask is None and self.scale is None and not self.softcap:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the default model, bit for bit
+        else:  # a window, packed documents or Gemma's scale/soft-capping
+            out = attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out), present
 
@@ -192,7 +223,7 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x, cos, sin))
         keys, values = cache.write(layer, k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+        out = masked_attention(q, keys, values, mask, scale=self.scale, softcap=self.softcap)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def tp_plan(self) -> dict[str, Any]:
@@ -212,8 +243,11 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.mlp_bias)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.mlp_bias)  # up
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)  # down
+        self.act = cfg.mlp_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "gelu_tanh":  # GeGLU (Shazeer 2020) with tanh-approximated GELU, as Gemma's MLP
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
         return self.w2(kernels.swiglu(self.w1(x), self.w3(x)))
 
     def tp_plan(self) -> dict[str, Any]:
@@ -229,30 +263,37 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.post_norm = cfg.post_norm
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_plus_one)
         self.attention = Attention(cfg, rotary=layer not in cfg.nope_layers)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_plus_one)
         self.feed_forward = FeedForward(cfg)
+        # Gemma 2/3's "sandwich": each sublayer's output is normalised again before the residual add
+        self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_plus_one) if cfg.sandwich_norm else None
+        self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_plus_one) if cfg.sandwich_norm else None
+
+    def _post(self, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+        return x if norm is None else norm(x)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,
-        mask: torch.Tensor | None = None,
+        mask: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         if self.post_norm:
             attn, present = self.attention(x, cos, sin, past, mask)
             h = x + self.attention_norm(attn)
             return h + self.ffn_norm(self.feed_forward(h)), present
         attn, present = self.attention(self.attention_norm(x), cos, sin, past, mask)
-        h = x + attn
-        return h + self.feed_forward(self.ffn_norm(h)), present
+        h = x + self._post(self.post_attention_norm, attn)
+        return h + self._post(self.post_ffn_norm, self.feed_forward(self.ffn_norm(h))), present
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
                        layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         if self.post_norm:
             h = x + self.attention_norm(self.attention.forward_cached(x, cos, sin, cache, layer, mask))
             return h + self.ffn_norm(self.feed_forward(h))
-        h = x + self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        attn = self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer, mask)
+        h = x + self._post(self.post_attention_norm, attn)
+        return h + self._post(self.post_ffn_norm, self.feed_forward(self.ffn_norm(h)))
 
 
 class GPT(nn.Module):
@@ -270,11 +311,15 @@ class GPT(nn.Module):
         self.config = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_plus_one)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.local_rope_theta:  # windowed layers rotate with their own base (Gemma 3)
+            cos, sin = rope_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.local_rope_theta)
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
         self.tie_weights()
         self.init_weights()
 
@@ -286,6 +331,9 @@ class GPT(nn.Module):
         if device.type != "meta":
             self.rope_cos = cos.to(device)
             self.rope_sin = sin.to(device)
+            if cfg.local_rope_theta:
+                cos, sin = rope_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.local_rope_theta)
+                self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
@@ -299,7 +347,8 @@ class GPT(nn.Module):
                         block.feed_forward.w1, block.feed_forward.w3, block.feed_forward.w2):
                 if lin.bias is not None:  # zeros draw no random numbers: the weights' RNG stream is unchanged
                     nn.init.zeros_(lin.bias)
-            for norm in (block.attention_norm, block.ffn_norm, block.attention.q_norm, block.attention.k_norm):
+            for norm in (block.attention_norm, block.ffn_norm, block.attention.q_norm, block.attention.k_norm,
+                         block.post_attention_norm, block.post_ffn_norm):
                 if norm is not None:
                     norm.reset_parameters()
         if self.norm is not None:
@@ -320,30 +369,55 @@ class GPT(nn.Module):
 
         Returns logits (or hidden states on a stage without ``output``) and the new per-layer caches.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self._embed(tokens)
         seqlen = h.shape[1]
-        mask = None
+        segments = None
         if doc_ids is None:
             start = 0 if past is None else past[0][0].shape[2]
-            cos = self.rope_cos[start : start + seqlen]
-            sin = self.rope_sin[start : start + seqlen]
+            positions: torch.Tensor | slice = slice(start, start + seqlen)
         else:
             if past is not None:
                 raise ValueError("doc_ids (packed documents) cannot be combined with a KV cache")
-            from crosstrain.models.document_mask import block_causal_mask, document_positions
+            from crosstrain.models.document_mask import document_positions, segment_index
 
-            positions = document_positions(doc_ids)
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, head_dim/2]
-            mask = block_causal_mask(doc_ids).unsqueeze(1)  # [B, 1, T, T] broadcasts over heads
+            positions = document_positions(doc_ids)  # per-row tables [B, T, head_dim/2]
+            segments = segment_index(doc_ids)
+        shared = segments is not None or self.config.attn_softcap  # soft-capped global layers leave SDPA too
+        masks = {w: AttentionMask(seqlen, w, segments) if w or shared else None
+                 for w in {self.config.window_of(int(key)) for key in self.layers}}  # built once, shared by layers
         presents: list[KVCache] = []
-        for i, block in enumerate(self.blocks()):
-            h, present = block(h, cos, sin, None if past is None else past[i], mask)
+        for i, (key, block) in enumerate(self.layers.items()):
+            cos, sin = self._rope_of(int(key))
+            window = self.config.window_of(int(key))
+            h, present = block(h, cos[positions], sin[positions], None if past is None else past[i], masks[window])
             presents.append(present)
+        return self._head(h), presents
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (times ``sqrt(dim)`` with ``embed_scale``, in their dtype as Gemma does); inner pipeline
+        stages receive hidden states and pass them through."""
+        if self.tok_embeddings is None:
+            return tokens
+        h = self.tok_embeddings(tokens)
+        if self.config.embed_scale:
+            h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype, device=h.device)
+        return h
+
+    def _rope_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full ``cos``/``sin`` tables block ``layer`` rotates with (Gemma 3: local ones on windowed layers)."""
+        if self.config.local_rope_theta and self.config.window_of(layer):
+            return self.rope_local_cos, self.rope_local_sin
+        return self.rope_cos, self.rope_sin
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head (with ``final_softcap``: ``cap * tanh(logits / cap)``, Gemma 2) where present."""
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
-        return h, presents
+            if self.config.final_softcap and self.output.out_features > 1:  # a scalar (reward/value) head is not
+                h = softcap_scores(h, self.config.final_softcap)
+        return h
 
     # -- the generation cache protocol (crosstrain.generation.engine) ------------------------------------
     def allocate_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
@@ -361,20 +435,18 @@ class GPT(nn.Module):
         """Logits ``[B, L, vocab]`` for ``tokens [B, L]`` at per-row ``positions``, appended to ``cache`` in place;
         ``attention_mask [B, cache.length + L]`` marks real tokens (False: left padding; None: no padding); a cache in
         static mode (:meth:`StaticKVCache.make_static`, the compiled decode step) takes ``[B, cache.max_len]``."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = cache.attention_mask(attention_mask, tokens.shape[1])
-        for i, block in enumerate(self.blocks()):
+        h = self._embed(tokens)
+        masks = {w: cache.attention_mask(attention_mask, tokens.shape[1], window=w)
+                 for w in {self.config.window_of(int(key)) for key in self.layers}}
+        for i, (key, block) in enumerate(self.layers.items()):
             # called directly, not via __call__: wrappers (activation checkpointing, torch.compile, FSDP2 hooks)
             # are for training; crosstrain.generation.sharded unshards FSDP2 modules once for the whole call
             block = getattr(block, "_checkpoint_wrapped_module", block)
-            h = cast(Block, getattr(block, "_orig_mod", block)).forward_cached(h, cos, sin, cache, i, mask)
+            cos, sin = self._rope_of(int(key))
+            h = cast(Block, getattr(block, "_orig_mod", block)).forward_cached(
+                h, cos[positions], sin[positions], cache, i, masks[self.config.window_of(int(key))])
         cache.advance(tokens.shape[1])
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
+        return self._head(h)
 
     def blocks(self) -> list[Block]:
         """The transformer blocks this module holds (all of them, or one pipeline stage's)."""
@@ -428,9 +500,11 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (6N + attention), as in the PaLM/torchtitan MFU estimate."""
+        """Training FLOPs per token (6N + attention), as in the PaLM/torchtitan MFU estimate; a windowed layer
+        attends to at most ``window`` keys, so it counts ``min(seq_len, window)`` of them."""
         cfg = self.config
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+        keys = sum(min(seq_len, cfg.window_of(i) or seq_len) for i in range(cfg.n_layers))
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_heads * cfg.head_dim * keys
 
 
 def build_gpt(preset: str = "tiny", **overrides: object) -> GPT:

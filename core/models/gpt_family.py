@@ -21,7 +21,8 @@ from crosstrain.models.hf.adapter import ADAPTERS
 from crosstrain.models.rope import max_exact_len
 
 #: the ``model.*`` keys that override a preset's shape (``vocab_size`` apart: it may follow the tokenizer)
-SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings", "qkv_bias")
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings", "qkv_bias",
+              "sliding_window")
 
 
 def config_from_run(config: Any) -> GPTConfig:

@@ -23,13 +23,16 @@ from crosstrain import kernels
 
 
 class _Norm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``plus_one``: the scale is ``1 + weight``, ``weight`` starting at 0 (Gemma 3's q/k norms)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.plus_one else nn.init.ones_)(self.weight)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -80,7 +83,7 @@ class HeadNorm(_Norm):
         weight = self.weight
         if isinstance(weight, DTensor):  # tp: the gradient of the shared weight is summed over the ranks' heads
             weight = _SumGradOverTP.apply(weight.to_local(), weight.device_mesh.get_group())
-        return kernels.rms_norm(x, weight, self.eps)
+        return kernels.rms_norm(x, weight + 1.0 if self.plus_one else weight, self.eps)
 
 
 class ProjectionNorm(_Norm):

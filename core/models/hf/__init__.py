@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out for the built-in GPT (Llama, Mistral and Qwen2 without sliding windows, Qwen3,
-Phi-3, OLMo 2, SmolLM3; see :mod:`.config`).
+"""Hugging Face checkpoints in and out for the built-in GPT (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, SmolLM3,
+with their sliding windows: :mod:`.config`; Gemma 2 and Gemma 3 text: :mod:`.gemma`).
 
 Needs only safetensors and JSON; transformers is used by the tests to check parity, never by crosstrain.
 """

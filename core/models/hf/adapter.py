@@ -55,6 +55,13 @@ _TOP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+#: Gemma 2/3: ``post_attention_layernorm`` is the norm *after* attention; the MLP has a pre and a post norm.
+_GEMMA_BLOCK = {
+    **{k: v for k, v in _BLOCK.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
 _CT_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: HF keys that are not parameters (rotary tables some older checkpoints saved); skipped on import.
@@ -170,11 +177,13 @@ class StateDictAdapter:
 
 
 #: Llama, Mistral, Qwen2, Qwen3 and SmolLM3 share transformers' Llama module names (with the biases and q/k norms
-#: above where the family has them); OLMo 2 moves the norms after each sublayer; Phi-3 fuses q/k/v and gate/up.
+#: above where the family has them); OLMo 2 moves the norms after each sublayer; Phi-3 fuses q/k/v and gate/up;
+#: Gemma 2/3 name their sandwich norms their own way.
 ADAPTERS: dict[str, StateDictAdapter] = {
     **{name: StateDictAdapter(name) for name in ("llama", "mistral", "qwen2", "qwen3", "smollm3")},
     "olmo2": StateDictAdapter("olmo2", block=_OLMO2_BLOCK),
     "phi3": StateDictAdapter("phi3", fused=_PHI3_FUSED),
+    **{name: StateDictAdapter(name, block=_GEMMA_BLOCK) for name in ("gemma2", "gemma3_text")},
 }
 
 

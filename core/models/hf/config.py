@@ -4,9 +4,11 @@ Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and SmolLM3 decoders are the built-i
 SwiGLU, grouped-query attention) with options: q/k/v biases (Qwen2, ``attention_bias``), an o_proj bias
 (``attention_bias``), MLP biases (``mlp_bias``), q/k RMSNorm per head (Qwen3) or over the projection (OLMo 2),
 post-sublayer norms (OLMo 2), partial rotary (Phi-3's ``partial_rotary_factor``), NoPE layers (SmolLM3's
-``no_rope_layers``), an explicit ``head_dim`` and the rope variants of :mod:`crosstrain.models.rope`. Anything the GPT
-does not compute the same way (sliding windows, other activations, other rope types) is refused with one line naming
-the config.json field, instead of importing a model that silently differs. Field meanings: transformers'
+``no_rope_layers``), an explicit ``head_dim``, the rope variants of :mod:`crosstrain.models.rope` and sliding windows
+(``sliding_window``, ``use_sliding_window``/``max_window_layers``/``layer_types``: ``GPTConfig.sliding_window`` and
+``layer_windows``); Gemma 2/3 live in :mod:`crosstrain.models.hf.gemma`. Anything the GPT does not compute the same
+way (other activations, other rope types) is refused with one line naming the config.json field, instead of
+importing a model that silently differs. Field meanings: transformers'
 ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``, ``Olmo2Config``,
 ``SmolLM3Config`` (v4 ``rope_theta``/``rope_scaling`` and v5 ``rope_parameters`` are both read).
 """
@@ -24,6 +26,8 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -73,19 +77,35 @@ def _rope(cfg: dict[str, Any], model_type: str, where: str) -> tuple[float, dict
     return theta, out, fraction
 
 
-def _no_sliding_window(cfg: dict[str, Any], model_type: str, where: str) -> None:
-    if model_type in ("qwen2", "qwen3", "smollm3"):
-        if cfg.get("use_sliding_window"):
-            raise ConfigError(f"{where}: use_sliding_window=true is not supported (crosstrain's attention is full "
-                              "causal); set it to false in config.json if the model was trained without it")
-        return
-    if model_type not in ("mistral", "phi3"):
-        return
-    window = cfg.get("sliding_window")
-    limit = int(cfg.get("max_position_embeddings", 0))
-    if window is not None and int(window) < limit:
-        raise ConfigError(f"{where}: sliding_window={window} is not supported (crosstrain's attention is full "
-                          f"causal); use a checkpoint with sliding_window null (or >= max_position_embeddings={limit})")
+def layer_windows(cfg: dict[str, Any], window: int, n_layers: int, where: str) -> tuple[int, ...]:
+    """Per-layer windows from ``layer_types`` (``"sliding_attention"``: ``window``, ``"full_attention"``: 0), as
+    transformers 5 configs list them; ``()`` when the config has none."""
+    types = cfg.get("layer_types")
+    if not types:
+        return ()
+    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"{where}: layer_types must list 'sliding_attention'/'full_attention' once per layer "
+                          f"({n_layers}); got {types}")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _windows(cfg: dict[str, Any], model_type: str, nope: tuple[int, ...], where: str) -> dict[str, Any]:
+    """``sliding_window``/``layer_windows`` as transformers reads them: Mistral and Phi-3 window every layer; Qwen2,
+    Qwen3 and SmolLM3 only with ``use_sliding_window``, on the layers ``layer_types`` marks (by default Qwen's from
+    ``max_window_layers`` on, SmolLM3's NoPE layers: their configs' ``__post_init__``)."""
+    window = int(cfg.get("sliding_window") or 0)
+    n_layers = int(cfg["num_hidden_layers"])
+    if model_type in ("mistral", "phi3"):
+        return {"sliding_window": window}
+    if model_type not in ("qwen2", "qwen3", "smollm3") or not cfg.get("use_sliding_window") or not window:
+        return {}
+    types = cfg.get("layer_types")
+    if not types and model_type == "smollm3":
+        types = ["sliding_attention" if i in nope else "full_attention" for i in range(n_layers)]
+    if not types:
+        types = ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
+                 for i in range(n_layers)]
+    return {"layer_windows": layer_windows({"layer_types": types}, window, n_layers, where)}
 
 
 def _nope_layers(cfg: dict[str, Any], n_layers: int) -> tuple[int, ...]:
@@ -102,6 +122,10 @@ def gpt_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTCo
     """The GPTConfig of a ``config.json`` of a family in :data:`ARCHITECTURES`; unsupported options are a one-line
     ConfigError naming the field."""
     model_type = cfg.get("model_type")
+    if model_type in ("gemma2", "gemma3_text"):
+        from crosstrain.models.hf.gemma import gemma_config_from_hf
+
+        return gemma_config_from_hf(cfg, where)
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{where}: model_type={model_type!r} is not supported; crosstrain imports "
                           f"{', '.join(ARCHITECTURES)} checkpoints")
@@ -109,11 +133,11 @@ def gpt_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTCo
     if act not in ("silu", "swish"):
         raise ConfigError(f"{where}: hidden_act={act!r} is not supported; crosstrain's MLP is SwiGLU (silu)")
     attention_bias = bool(cfg.get("attention_bias")) and model_type in _ATTENTION_BIAS
-    _no_sliding_window(cfg, model_type, where)
     theta, scaling, fraction = _rope(cfg, model_type, where)
     try:
         dim, heads, n_layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
         head_dim = int(cfg.get("head_dim") or dim // heads)
+        nope = _nope_layers(cfg, n_layers) if model_type == "smollm3" else ()
         out = GPTConfig(
             vocab_size=int(cfg["vocab_size"]), dim=dim, n_layers=n_layers, n_heads=heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or heads), ffn_dim=int(cfg["intermediate_size"]),
@@ -123,7 +147,7 @@ def gpt_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTCo
             attn_head_dim=head_dim if head_dim * heads != dim else 0,
             qk_norm={"qwen3": "head", "olmo2": "proj"}.get(model_type, ""), out_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias")) and model_type in _MLP_BIAS, post_norm=model_type == "olmo2",
-            nope_layers=_nope_layers(cfg, n_layers) if model_type == "smollm3" else (),
+            nope_layers=nope, **_windows(cfg, model_type, nope, where),
         )
     except KeyError as exc:
         raise ConfigError(f"{where} has no {exc.args[0]!r}; it is not a complete {model_type} config") from None
@@ -141,7 +165,11 @@ def gpt_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTCo
 
 def _features(cfg: GPTConfig) -> tuple[Any, ...]:
     return (cfg.qkv_bias, cfg.out_bias, cfg.mlp_bias, cfg.qk_norm, cfg.post_norm, cfg.rotary_fraction,
-            cfg.nope_layers)
+            cfg.nope_layers, _layer_windows(cfg))
+
+
+def _layer_windows(cfg: GPTConfig) -> tuple[int, ...]:
+    return tuple(cfg.window_of(i) for i in range(cfg.n_layers))
 
 
 def _model_type(cfg: GPTConfig) -> str:
@@ -154,7 +182,29 @@ def _model_type(cfg: GPTConfig) -> str:
         return "phi3"
     if cfg.nope_layers:
         return "smollm3"
-    return "qwen2" if cfg.qkv_bias and not cfg.out_bias else "llama"
+    if cfg.qkv_bias and not cfg.out_bias:
+        return "qwen2"
+    return "mistral" if any(_layer_windows(cfg)) else "llama"
+
+
+def _window_fields(cfg: GPTConfig, model_type: str) -> dict[str, Any]:
+    """The config.json fields that give ``cfg``'s sliding windows back to ``model_type`` (see :func:`_windows`)."""
+    windows = _layer_windows(cfg)
+    sizes = {w for w in windows if w}
+    if not sizes:
+        return {}
+    if len(sizes) > 1:
+        raise ValueError(f"{model_type} has one sliding window size; this model has {sorted(sizes)}")
+    window = sizes.pop()
+    if model_type in ("mistral", "phi3"):
+        if not all(windows):
+            raise ValueError(f"{model_type} windows every layer; this model has global layers too")
+        return {"sliding_window": window}
+    if model_type not in ("qwen2", "qwen3", "smollm3"):
+        raise ValueError(f"{model_type} has no sliding window; this model has one of {window}")
+    return {"use_sliding_window": True, "sliding_window": window,  # transformers' default starts at max_window_layers
+            "max_window_layers": next(i for i, w in enumerate(windows) if w),
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in windows]}
 
 
 def _base_fits(base: dict[str, Any] | None, cfg: GPTConfig) -> bool:
@@ -188,8 +238,13 @@ def hf_config_from_gpt(
     bos_id: int | None = None, eos_id: int | None = None,
 ) -> dict[str, Any]:
     """A ``config.json`` for ``cfg``: the family that computes what it does (:func:`_model_type`: Llama unless an
-    option needs another), or ``base``'s model_type, whose other fields are kept, when ``base`` is the config the
-    model was imported from and describes the same options."""
+    option needs another; Gemma's own mapping, :mod:`~crosstrain.models.hf.gemma`, for its sandwich norms), or
+    ``base``'s model_type, whose other fields are kept, when ``base`` is the config the model was imported from and
+    describes the same options."""
+    if cfg.sandwich_norm:
+        from crosstrain.models.hf.gemma import hf_config_from_gemma
+
+        return hf_config_from_gemma(cfg, base=base, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
     model_type = _model_type(cfg)
     out: dict[str, Any] = {}
     max_position = cfg.max_seq_len
@@ -220,4 +275,5 @@ def hf_config_from_gpt(
         out.pop("layer_types", None)  # rebuilt by SmolLM3Config from no_rope_layers and use_sliding_window
     if model_type == "qwen3":
         out.pop("layer_types", None)  # rebuilt by Qwen3Config from use_sliding_window
+    out.update(_window_fields(cfg, model_type))
     return out
