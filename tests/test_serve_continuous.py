@@ -101,3 +101,19 @@ def test_gate_refuses_nan_weights_and_nan_eval_loss(model: torch.nn.Module, tmp_
         poisoned.layers["0"].attention.wq.weight[0, 0] = float("nan")
     report = check(poisoned.eval(), None, None, None)
     assert not report.passed and "not finite" in report.reason
+
+
+def test_a_sliding_window_model_decodes_what_it_decodes_alone() -> None:
+    """Per-layer windows (one local, one global layer, Gemma's layout) shorter than the sequences: each row's slot
+    mask hides the keys its window left behind, so batched greedy tokens equal ``generate`` alone."""
+    torch.manual_seed(1)
+    m = build_gpt("tiny", n_layers=2, max_seq_len=64, layer_windows=(6, 0))
+    m.init_weights()
+    m.eval()
+    prompts = [[(5 * i + 11 * j) % 256 for j in range(n)] for i, n in enumerate((3, 9, 14))]
+    config = GenerationConfig(max_new_tokens=12, greedy=True)
+    alone = [generate(m, [p], config).tokens[0].tolist() for p in prompts]
+    seqs = [Sequence(p, config, None) for p in prompts]
+    _run(m, seqs, slots=2)
+    assert [s.tokens for s in seqs] == [a[:len(s.tokens)] for s, a in zip(seqs, alone, strict=True)]
+    assert all(len(s.tokens) == len(a) for s, a in zip(seqs, alone, strict=True))

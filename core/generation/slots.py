@@ -90,9 +90,11 @@ class SlotKVCache:
             self._lengths_t = torch.tensor(self.lengths[:self.rows], dtype=torch.long, device=device)
         return self._lengths_t
 
-    def attention_mask(self, key_mask: torch.Tensor | None, length: int) -> torch.Tensor:
+    def attention_mask(self, key_mask: torch.Tensor | None, length: int, window: int = 0) -> torch.Tensor:
         """``[rows, 1, 1, span]``: row ``r``'s new token sees its ``lengths[r]`` past slots and itself, nothing
-        beyond (other rows' longer pasts are stale or empty there). ``key_mask`` is ignored: no row is padded."""
+        beyond (other rows' longer pasts are stale or empty there); ``window`` > 0: only the last ``window`` of
+        them (a sliding window counts slots, as :func:`~crosstrain.generation.cache.cached_attention_mask` does).
+        ``key_mask`` is ignored: no row is padded."""
         if length != 1:
             raise ValueError("a slot cache decodes one token per row; prefill each sequence in a StaticKVCache")
         device = next(t.device for t in self.keys if t is not None)
@@ -100,8 +102,11 @@ class SlotKVCache:
         self._span = max(self.lengths[:self.rows]) + 1
         if self._span > self.max_len:
             raise ValueError(f"KV cache overflow: {self._span} slots needed, {self.max_len} allocated")
-        cols = torch.arange(self._span, device=device)
-        return (cols.unsqueeze(0) <= lengths.unsqueeze(1))[:, None, None, :]
+        cols = torch.arange(self._span, device=device).unsqueeze(0)
+        visible = cols <= lengths.unsqueeze(1)
+        if window > 0:
+            visible = visible & (lengths.unsqueeze(1) - cols < window)
+        return visible[:, None, None, :]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [rows, H, 1, D]`` at each row's own slot ``lengths[r]``; return the ``[rows, H, span, D]``
