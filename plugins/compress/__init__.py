@@ -1,0 +1,2 @@
+"""The ``compress`` plugin: model compression in training (docs/compress.md). Knowledge distillation:
+``--recipe distill`` and ``crosstrain distill cache`` (:mod:`crosstrain.plugins.compress.distill`)."""

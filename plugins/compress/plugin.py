@@ -1,0 +1,48 @@
+"""The compress plugin's hooks (thin: the work is in :mod:`crosstrain.plugins.compress.distill`): the ``distill``
+recipe, its ``[distill]`` section, ``crosstrain distill cache`` and the report panels of its metrics."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from crosstrain import hookimpl
+
+RECIPES = ("distill",)
+
+
+@hookimpl
+def crosstrain_recipe(name: str) -> Any:
+    if name == "distill":
+        from crosstrain.plugins.compress.distill.recipe import DistillRecipe
+
+        return DistillRecipe()
+    return None
+
+
+@hookimpl
+def crosstrain_recipe_names() -> list[str]:
+    return list(RECIPES)
+
+
+@hookimpl
+def crosstrain_config_sections() -> dict[str, type]:
+    from crosstrain.plugins.compress.config import DistillSection
+
+    return {"distill": DistillSection}
+
+
+@hookimpl
+def crosstrain_add_commands(subparsers: argparse._SubParsersAction) -> None:
+    from crosstrain.plugins.compress.distill.cli import add_commands
+
+    add_commands(subparsers)
+
+
+@hookimpl
+def crosstrain_report_panels() -> list[Any]:
+    """The student's and the teacher's held-out NLL side by side, and the divergence, on ``crosstrain report``."""
+    from crosstrain.plugins.observability.panels import Panel
+
+    return [Panel("distill_nll", "Distillation: student vs teacher NLL", ("eval/nll/*", "nll/student"), "nats"),
+            Panel("distill_kd", "Distillation divergence", ("kd", "eval/kd"), "divergence")]
