@@ -94,6 +94,9 @@ def test_two_ranks_equal_one_and_the_cache_equals_the_online_teacher(teacher, tm
 
 
 def test_killed_run_resumes_exactly_and_a_changed_teacher_is_refused(teacher, tmp_path, capsys) -> None:
+    import shutil
+
+    teacher = Path(shutil.copytree(teacher, tmp_path / "teacher"))  # trained on below: the others keep theirs
     sets = (f"distill.teacher={teacher}", "train.steps=8", "checkpoint.every=2", "eval.every=0")
     ref = _train(tmp_path / "ref", *sets)
     run = tmp_path / "killed"
