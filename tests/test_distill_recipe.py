@@ -157,3 +157,16 @@ def test_bad_inputs_are_one_line_and_write_nothing(teacher, tmp_path, capsys) ->
         assert f"distill.{key}" in _bad(tmp_path, capsys, f"distill.teacher={teacher}", f"distill.{key}={value}")
     assert "unset distill.cache" in _bad(tmp_path, capsys, f"distill.cache={file}", "distill.on_policy=0.5")
     assert "not a distillation cache" in _bad(tmp_path, capsys, f"distill.cache={file}")
+
+
+def test_demo_trains_a_teacher_and_distills_it_in_one_command(tmp_path, capsys) -> None:
+    capsys.readouterr()
+    argv = ["distill", "demo", "--run-dir", str(tmp_path / "demo"), "--teacher-steps", "2", "--steps", "2"]
+    for s in ("train.seq_len=32", "train.batch_size=4", "eval.steps=2", "eval.batch_size=4", "logging.progress=none",
+              "backend=cpu"):
+        argv += ["--set", s]
+    assert crosstrain_main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads((tmp_path / "demo" / "student" / "summary.json").read_text())
+    assert summary["recipe"] == "distill" and summary["distill"]["teacher"]["source"].endswith("step_2")
+    assert result["eval_nll_teacher"] > 0 and result["eval_nll_student"] > 0

@@ -1,5 +1,6 @@
 """``crosstrain distill cache TEACHER [--data PATH] [--config FILE] [--set K=V] [--top-k K] --out FILE``: the
-teacher's top-k log-probs over the run's train and held-out data, written once (:mod:`.cache`)."""
+teacher's top-k log-probs over the run's train and held-out data, written once (:mod:`.cache`); ``crosstrain
+distill demo``: a teacher trained and distilled on the embedded corpus in one command (:mod:`.demo`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,26 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--set", action="append", default=[], metavar="K=V", help="config override (repeatable)")
     c.add_argument("--top-k", type=int, default=16, help="tokens kept per position (default 16)")
     c.set_defaults(func=run_cache)
+    d = sub.add_parser("demo", help="train a small teacher on the embedded corpus and distill a tiny student from it",
+                       description="The one-command demo: RUN_DIR/teacher (--recipe lm, preset small), then "
+                                   "RUN_DIR/student (--recipe distill, preset tiny); prints both held-out NLLs.")
+    d.add_argument("--run-dir", default="runs/distill-demo", help="where the two runs go (default runs/distill-demo)")
+    d.add_argument("--teacher-steps", type=int, default=300)
+    d.add_argument("--steps", type=int, default=200, help="student steps")
+    d.add_argument("--set", action="append", default=[], metavar="K=V", help="config override for both runs")
+    d.set_defaults(func=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import json
+
+    from crosstrain.errors import ConfigError
+    from crosstrain.plugins.compress.distill.demo import run_demo as demo
+
+    if args.teacher_steps < 1 or args.steps < 1:
+        raise ConfigError("--teacher-steps and --steps must be >= 1")
+    print(json.dumps(demo(Path(args.run_dir), args.teacher_steps, args.steps, list(args.set))))
+    return 0
 
 
 def run_cache(args: argparse.Namespace) -> int:

@@ -29,8 +29,8 @@ def check_source(path: str) -> None:
 
     if not path:
         raise ConfigError("--recipe distill needs a teacher: set distill.teacher=RUN_DIR|CHECKPOINT|HF_FOLDER (or "
-                          "distill.cache=FILE from `crosstrain distill cache`); `python benchmarks/distill.py --quick` "
-                          "trains a teacher and distills it in one command")
+                          "distill.cache=FILE from `crosstrain distill cache`); `crosstrain distill demo` trains a "
+                          "teacher on the embedded corpus and distills it in one command")
     source_kind(path, what=WHAT)
 
 
