@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -57,15 +58,19 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--work", default=None, help="keep the runs in this folder (its finished teacher is reused)")
     args = parser.parse_args()
     if args.quick:
         args.teacher_steps, args.steps = 300, 200
     torch.set_num_threads(1)
     common = _common(args)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        _fit([*common, "model.preset=small", f"train.steps={args.teacher_steps}",
-              f"eval.every={args.teacher_steps}"], root / "teacher")
+        root = Path(args.work or tmp)
+        if not (root / "teacher" / "summary.json").is_file():
+            _fit([*common, "model.preset=small", f"train.steps={args.teacher_steps}",
+                  f"eval.every={args.teacher_steps}"], root / "teacher")
+        for name in ("ce", "kd"):
+            shutil.rmtree(root / name, ignore_errors=True)
         student = [*common, "model.preset=tiny", f"train.steps={args.steps}", f"eval.every={args.steps}"]
         ce = _fit(student, root / "ce")
         kd = _fit([*student, "train.recipe=distill", f"distill.teacher={root / 'teacher'}",
