@@ -1,18 +1,19 @@
 """Knowledge distillation: a ``tiny`` student distilled from a ``small`` teacher vs the same student on labels alone.
 
 One process, the embedded corpus, byte tokenizer. First a ``small`` teacher is trained with ``--recipe lm``
-(``--teacher-steps``); then the same ``tiny`` student (same ``train.seed``: same initial weights, same batches in the
-same order, same steps, optimizer and schedule) is trained twice: on the labels (``--recipe lm``) and with
-``--recipe distill`` from that teacher (``distill.*`` from the flags). Both are evaluated on the whole held-out split
-at the end; the figure is the student's held-out token NLL (``eval/loss`` of lm, ``eval/nll/student`` of distill: the
-same mean cross-entropy over the same tokens).
+(``--teacher-steps`` of ``--teacher-batch-size`` x 128 tokens). Then the same ``tiny`` student (same
+``train.seed``: same initial weights, same batches in the same order, same steps, optimizer and schedule,
+``--batch-size`` sequences a step) is trained twice: on the labels (``--recipe lm``) and with ``--recipe distill``
+from that teacher (``distill.*`` from the flags). Both are evaluated on the whole held-out split at the end; the
+figure is the student's held-out token NLL (``eval/loss`` of lm, ``eval/nll/student`` of distill: the same mean
+cross-entropy over the same tokens).
 
 Last line JSON: ``kd_vs_ce`` (held-out NLL distilled / labels-only; < 1: distillation helped),
 ``seconds_per_step_vs_ce`` (median step time distilled / labels-only: the teacher's forward and the divergence),
 the NLLs of the teacher and of both students, and the settings.
 
-    python benchmarks/distill.py --quick        # ~ minutes on CPU
-    python benchmarks/distill.py [--teacher-steps 600] [--steps 400] [--loss jsd] [--top-k 0]
+    python benchmarks/distill.py --quick        # minutes on CPU
+    python benchmarks/distill.py [--teacher-steps 600] [--steps 400] [--loss jsd] [--top-k 0] [--work DIR]
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 import torch
 
 
-def _common(args: argparse.Namespace) -> list[str]:
-    return ["backend=cpu", f"train.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
+def _common(args: argparse.Namespace, batch_size: int) -> list[str]:
+    return ["backend=cpu", f"train.seq_len={args.seq_len}", f"train.batch_size={batch_size}",
             "train.seed=0", "eval.steps=0", "eval.batch_size=16", "checkpoint.every=0", "logging.progress=none",
             "logging.tensorboard=false", f"optim.lr={args.lr}", "schedule.warmup_steps=10"]
 
@@ -52,7 +53,8 @@ def main() -> None:
     parser.add_argument("--teacher-steps", type=int, default=600)
     parser.add_argument("--steps", type=int, default=400, help="student steps (both students)")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=4, help="student sequences per step (both students)")
+    parser.add_argument("--teacher-batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--loss", default="forward_kl", choices=("forward_kl", "reverse_kl", "jsd"))
     parser.add_argument("--alpha", type=float, default=0.5)
@@ -63,12 +65,12 @@ def main() -> None:
     if args.quick:
         args.teacher_steps, args.steps = 300, 200
     torch.set_num_threads(1)
-    common = _common(args)
+    common = _common(args, args.batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.work or tmp)
         if not (root / "teacher" / "summary.json").is_file():
-            _fit([*common, "model.preset=small", f"train.steps={args.teacher_steps}",
-                  f"eval.every={args.teacher_steps}"], root / "teacher")
+            teacher = [*_common(args, args.teacher_batch_size), "model.preset=small"]
+            _fit([*teacher, f"train.steps={args.teacher_steps}", f"eval.every={args.teacher_steps}"], root / "teacher")
         for name in ("ce", "kd"):
             shutil.rmtree(root / name, ignore_errors=True)
         student = [*common, "model.preset=tiny", f"train.steps={args.steps}", f"eval.every={args.steps}"]
@@ -88,6 +90,7 @@ def main() -> None:
                       "kd_step_s": kd["median_step_time_s"], "teacher_steps": args.teacher_steps,
                       "steps": args.steps, "loss": args.loss, "alpha": args.alpha, "temperature": args.temperature,
                       "top_k": args.top_k, "seq_len": args.seq_len, "batch_size": args.batch_size,
+                      "teacher_batch_size": args.teacher_batch_size,
                       "loadavg": os.getloadavg()}))
 
 
