@@ -185,3 +185,36 @@ def test_divergence_names() -> None:
     assert divergence("forward_kl", t, s).item() == pytest.approx(_kl(0.7, 0.4))
     assert divergence("reverse_kl", t, s).item() == pytest.approx(_kl(0.4, 0.7))
     assert divergence("jsd", t, s, 0.3).item() == pytest.approx(generalized_jsd(t, s, 0.3).item())
+
+
+def _vocab_parallel(collective: object) -> list[tuple[str, float, float, float]]:
+    """On each of 2 ranks: the loss over this rank's half of the vocabulary (``group``) vs the whole rows."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    s, t, labels = _logits(4, 2, 6, 34)
+    mask = labels != -100
+    half = slice(rank * 17, (rank + 1) * 17)
+    out = []
+    for loss, beta in (("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)):
+        full_in = s.clone().requires_grad_(True)
+        full = distill_loss(full_in, t, mask, loss=loss, beta=beta, temperature=2.0)  # type: ignore[arg-type]
+        full.backward()
+        part_in = s[..., half].clone().requires_grad_(True)
+        part = distill_loss(part_in, t[..., half].contiguous(), mask, loss=loss, beta=beta,  # type: ignore[arg-type]
+                            temperature=2.0, chunk_tokens=5, group=dist.group.WORLD)
+        part.backward()
+        assert part_in.grad is not None and full_in.grad is not None
+        out.append((loss, full.item(), part.item(), (part_in.grad - full_in.grad[..., half]).abs().max().item()))
+    return out
+
+
+def test_vocab_parallel_logits_give_the_whole_rows_loss_and_gradient() -> None:
+    """Logits split over 2 real ranks by vocabulary (a column-parallel head that does not gather): every rank gets
+    the whole-vocabulary loss, and the gradient of its own slice."""
+    import shared_ranks
+
+    for per_rank in shared_ranks.run(_vocab_parallel):
+        for _name, full, part, grad_err in per_rank:
+            assert part == pytest.approx(full, rel=1e-5)
+            assert grad_err < 1e-6
