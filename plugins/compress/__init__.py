@@ -1,1 +1,3 @@
-"""Model compression: quantization-aware training (:mod:`.qat`) and knowledge distillation."""
+"""The ``compress`` plugin: model compression in training (docs/compress.md). Knowledge distillation:
+``--recipe distill`` and ``crosstrain distill cache`` (:mod:`crosstrain.plugins.compress.distill`); quantization-aware
+training: the ``[quant]`` section (:mod:`crosstrain.plugins.compress.qat`)."""
