@@ -45,6 +45,23 @@ class Sequence:
         return bool(self.tokens) and self.tokens[-1] in self.config.stop_tokens
 
 
+
+def admit(seq: Sequence, max_len: int) -> bool:
+    """Whether ``seq`` needs decoding: a one-line ConfigError when its prompt is empty or prompt + max_new_tokens
+    exceeds ``max_len``; a sequence that asks for no token is marked done (False)."""
+    if not seq.prompt:
+        raise ConfigError("every prompt needs at least one token")
+    total = len(seq.prompt) + seq.config.max_new_tokens
+    if total > max_len:
+        raise ConfigError(f"prompt ({len(seq.prompt)} tokens) + max_new_tokens {seq.config.max_new_tokens} = "
+                          f"{total} exceeds the model's context of {max_len} tokens; shorten the prompt "
+                          "or lower max_new_tokens")
+    if seq.config.max_new_tokens == 0:
+        seq.done = True
+        return False
+    return True
+
+
 class ContinuousBatch:
     """Up to ``slots`` sequences decoded together on ``model`` (the cache protocol plus ``max_seq_len``)."""
 
@@ -66,13 +83,7 @@ class ContinuousBatch:
         """Prefill ``seq.prompt`` alone and pick its first token; it joins the batch unless already done (one token
         asked, or a stop token first). Raises a one-line ConfigError when it cannot fit."""
         _check(self.model, [seq.prompt], seq.config)
-        total = len(seq.prompt) + seq.config.max_new_tokens
-        if total > self.max_len:
-            raise ConfigError(f"prompt ({len(seq.prompt)} tokens) + max_new_tokens {seq.config.max_new_tokens} = "
-                              f"{total} exceeds the model's context of {self.max_len} tokens; shorten the prompt "
-                              "or lower max_new_tokens")
-        if seq.config.max_new_tokens == 0:
-            seq.done = True
+        if not admit(seq, self.max_len):
             return seq
         if not self.free:
             raise ValueError("no free slot; wait for a sequence to finish (check .free first)")

@@ -204,6 +204,22 @@ def native_model_types() -> dict[str, str]:
     return out
 
 
+def new_scalar_head(dim: int, init: str) -> nn.Module:
+    """``Linear(dim, 1)`` without bias, the head a family's ``scalar_head`` puts on reward/value models: torch's
+    default init first (as the recipes always drew it), then ``normal`` (std ``dim ** -0.5``), ``zeros`` or kept
+    (``default``)."""
+    from torch import nn  # the registry itself imports no torch
+
+    head = nn.Linear(dim, 1, bias=False)
+    if init == "normal":
+        nn.init.normal_(head.weight, std=dim**-0.5)
+    elif init == "zeros":
+        nn.init.zeros_(head.weight)
+    elif init != "default":
+        raise ValueError(f"scalar head init {init!r}; use 'normal', 'zeros' or 'default'")
+    return head
+
+
 def family_of(model: nn.Module) -> ModelFamily | None:
     """The family whose model classes ``model`` is an instance of, or None (a ``model.import_path`` model)."""
     for fam in families().values():

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from crosstrain.errors import ConfigError
-from crosstrain.models.family import ModelFamily
+from crosstrain.models.family import ModelFamily, new_scalar_head
 from crosstrain.models.gpt import GPT, PRESETS, GPTConfig
 from crosstrain.models.hf.adapter import ADAPTERS
 from crosstrain.models.rope import max_exact_len
@@ -134,13 +134,7 @@ def scalar_head(model: nn.Module, init: str) -> None:
             "swap the head before the pipeline split"
         )
     dim = model.config.dim
-    head = nn.Linear(dim, 1, bias=False)  # draws torch's default init first, as the recipes always did
-    if init == "normal":
-        nn.init.normal_(head.weight, std=dim**-0.5)
-    elif init == "zeros":
-        nn.init.zeros_(head.weight)
-    elif init != "default":
-        raise ValueError(f"scalar head init {init!r}; use 'normal', 'zeros' or 'default'")
+    head = new_scalar_head(dim, init)
     model.output = head
     model.config = dataclasses.replace(model.config, tie_embeddings=False)
 

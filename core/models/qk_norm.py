@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from crosstrain import kernels
+from crosstrain.parallel.tp_autograd import all_reduce_sum, copy_to_tp
 
 
 class _Norm(nn.Module):
@@ -35,45 +36,6 @@ class _Norm(nn.Module):
         (nn.init.zeros_ if self.plus_one else nn.init.ones_)(self.weight)
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the tp group forward and backward: every rank's partial sum feeds every rank's output."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group = group
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the tp group (Megatron's ``f``), for a replicated
-    weight that each rank applies to its own heads only."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class HeadNorm(_Norm):
     """``x / sqrt(mean(x^2 over head_dim) + eps) * w`` for each head of ``x [B, T, H, head_dim]``."""
 
@@ -82,7 +44,7 @@ class HeadNorm(_Norm):
 
         weight = self.weight
         if isinstance(weight, DTensor):  # tp: the gradient of the shared weight is summed over the ranks' heads
-            weight = _SumGradOverTP.apply(weight.to_local(), weight.device_mesh.get_group())
+            weight = copy_to_tp(weight.to_local(), weight.device_mesh.get_group())
         return kernels.rms_norm(x, weight + 1.0 if self.plus_one else weight, self.eps)
 
 
@@ -97,7 +59,7 @@ class ProjectionNorm(_Norm):
         # tp: x holds this rank's columns; the mean is over the full projection (self.weight.shape[0] channels)
         weight = self.weight.to_local()
         xf = x.float()
-        square_sum = _AllReduceSum.apply(xf.pow(2).sum(dim=-1, keepdim=True), self.weight.device_mesh.get_group())
+        square_sum = all_reduce_sum(xf.pow(2).sum(dim=-1, keepdim=True), self.weight.device_mesh.get_group())
         out = xf * torch.rsqrt(square_sum / self.weight.shape[0] + self.eps)
         return (out * weight.float()).to(x.dtype)
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from crosstrain import kernels
 from crosstrain.errors import ConfigError
 from crosstrain.parallel import all_to_all_autograd, local_tensor
+from crosstrain.parallel.tp_autograd import copy_to_tp
 from crosstrain.plugins.moe.exchange import HEADER, agree
 
 
@@ -22,22 +23,6 @@ def _sharded(old: nn.Parameter, shard: torch.Tensor, mesh: Any, dim: int) -> nn.
     before the split (LoRA) must stay frozen, or each rank trains its experts where one process does not."""
     return nn.Parameter(DTensor.from_local(shard, mesh, [Shard(dim)], run_check=False),
                         requires_grad=old.requires_grad)
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Megatron's ``f``: identity forward; backward all-reduces the input gradient, which each tp rank only
-    computed through its own hidden columns."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -122,7 +107,7 @@ class GroupedExperts(nn.Module):
     def _mlp(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = (local_tensor(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
         if self.tp_mesh is not None:
-            rows = _CopyToTP.apply(rows, self.tp_mesh.get_group())
+            rows = copy_to_tp(rows, self.tp_mesh.get_group())
         # gate and up in one grouped matmul (fewer, larger GEMMs); the concatenation of the weights is cheap
         gate, up = kernels.grouped_mm(rows, torch.cat([w1, w3], dim=2), counts).chunk(2, dim=-1)
         out = kernels.grouped_mm(kernels.swiglu(gate, up), w2, counts)

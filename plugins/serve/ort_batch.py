@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crosstrain.errors import ConfigError
-from crosstrain.generation.continuous import Sequence, append_next
+from crosstrain.generation.continuous import Sequence, admit, append_next
 
 
 class OrtBatch:
@@ -34,15 +33,7 @@ class OrtBatch:
         return torch.from_numpy(np.ascontiguousarray(logits[:, -1]))
 
     def add(self, seq: Sequence) -> Sequence:
-        total = len(seq.prompt) + seq.config.max_new_tokens
-        if not seq.prompt:
-            raise ConfigError("every prompt needs at least one token")
-        if total > self.max_len:
-            raise ConfigError(f"prompt ({len(seq.prompt)} tokens) + max_new_tokens {seq.config.max_new_tokens} = "
-                              f"{total} exceeds the model's context of {self.max_len} tokens; shorten the prompt "
-                              "or lower max_new_tokens")
-        if seq.config.max_new_tokens == 0:
-            seq.done = True
+        if not admit(seq, self.max_len):
             return seq
         self._past[id(seq)] = self.engine.empty_cache(1)
         append_next([seq], self._forward(seq, seq.prompt))

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from crosstrain.errors import ConfigError
-from crosstrain.models.family import ModelFamily
+from crosstrain.models.family import ModelFamily, new_scalar_head
 from crosstrain.models.generic import build as buildmod
 from crosstrain.models.generic.config import GenericConfig, config_from_run, require_transformers
 from crosstrain.models.generic.wrapper import GenericCausalLM
@@ -106,13 +106,7 @@ def scalar_head(model: nn.Module, init: str) -> None:
     """Replace the output embeddings by ``Linear(hidden, 1)`` (reward/value models), untied from the input ones."""
     old = model.get_output_embeddings()  # type: ignore[operator]
     dim = int(old.weight.shape[-1])
-    head = nn.Linear(dim, 1, bias=False)
-    if init == "normal":
-        nn.init.normal_(head.weight, std=dim**-0.5)
-    elif init == "zeros":
-        nn.init.zeros_(head.weight)
-    elif init != "default":
-        raise ValueError(f"scalar head init {init!r}; use 'normal', 'zeros' or 'default'")
+    head = new_scalar_head(dim, init)
     model.config.tie_word_embeddings = False  # type: ignore[union-attr]  # tie_weights() must not re-tie it
     if hasattr(model, "all_tied_weights_keys"):
         model.all_tied_weights_keys = {}  # type: ignore[assignment]

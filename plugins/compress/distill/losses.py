@@ -26,48 +26,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from crosstrain.parallel.tp_autograd import all_reduce_sum, reduce_from_tp
+
 LossName = Literal["forward_kl", "reverse_kl", "jsd"]
 #: the log of fp32's smallest normal number: a tail bucket with no mass left is floored here, so every
 #: divergence stays finite (an exact 0 would make the reverse KL infinite and its gradient NaN)
 LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the group; the backward sums the gradients too (each rank's loss depends on every rank's input)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumToReplicated(torch.autograd.Function):
-    """Sum over the group into a value every rank then uses identically; the backward is the identity, so each rank
-    back-propagates the common loss into its own slice once (Megatron-LM's ``reduce_from_tensor_model_parallel``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 def _vocab_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``x.sum(-1)`` over the whole vocabulary: the local slice's, summed over the group when it is split."""
     local = x.sum(-1)
-    return local if group is None else _SumToReplicated.apply(local, group)
+    return local if group is None else reduce_from_tp(local, group)
 
 
 def log_softmax(logits: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -77,7 +47,7 @@ def log_softmax(logits: torch.Tensor, group: Any = None) -> torch.Tensor:
         return F.log_softmax(logits, -1)
     peak = logits.detach().amax(-1, keepdim=True)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    total = _AllReduceSum.apply((logits - peak).exp().sum(-1, keepdim=True), group)
+    total = all_reduce_sum((logits - peak).exp().sum(-1, keepdim=True), group)
     return logits - peak - total.log()
 
 
