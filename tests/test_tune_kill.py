@@ -99,3 +99,11 @@ def test_sigkill_then_same_command_resumes_exactly_and_prunes(tmp_path: Path) ->
     assert (pruned_dir / "checkpoints" / "step_4").is_dir()
     assert trials[1].user_attrs["pruned_at_step"] == 4 and trials[1].intermediate_values == {4: pytest.approx(
         trials[1].value)}
+
+    assert crosstrain_main(["tune", "--report", str(out)]) == 0
+    report = json.loads((out / "report" / "summary.json").read_text())
+    assert (report["best_value"], report["best_run_dir"]) == (result["best_value"], result["best_run_dir"])
+    assert [t["state"] for t in report["trials"]] == ["COMPLETE", "PRUNED"]
+    for png in ("history.png", "intermediate.png"):
+        assert (out / "report" / png).read_bytes()[:4] == b"\x89PNG"
+    assert (out / "report" / "best_run" / "report.html").is_file()

@@ -44,6 +44,16 @@ def test_pbt_exploit_pairs_worst_quarter_with_best_and_explore_perturbs() -> Non
         assert out["optim.weight_decay"] in (0.0, 0.1)
 
 
+def test_throughput_knobs_keep_the_global_batch() -> None:
+    from crosstrain.config import load_config
+    from crosstrain.plugins.tune.throughput import knobs
+
+    grid = knobs(load_config(None, ["train.batch_size=8", "backend=cpu"]), nproc=2)
+    assert grid == {"train.grad_accum": [1, 2, 4], "parallel.activation_checkpoint": ["none", "full"],
+                    "parallel.layout": ["ddp", "fsdp"]}  # 4 rows per rank: micro-batches of 4, 2 or 1 rows
+    assert knobs(load_config(None, ["train.batch_size=6", "backend=cpu"]), nproc=None)["train.grad_accum"] == [1, 2]
+
+
 BAD = [
     ("unknown key", '[space]\n"optim.lrx" = { low = 1e-4, high = 1e-3 }\n', [], "unknown config key 'optim.lrx'"),
     ("empty range", '[space]\n"optim.lr" = { low = 2e-3, high = 1e-3 }\n', [], "range is empty"),

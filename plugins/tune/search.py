@@ -96,7 +96,9 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
     if out_dir.is_file():
         raise ConfigError(f"--out {str(out_dir)!r} is a file; pass a folder")
     url = storage or default_storage(out_dir)
-    threads = max(1, (os.cpu_count() or 1) // (jobs * (nproc or 1)))
+    # K trials at once share the cores; one trial keeps train.threads as configured (auto by default), so trial 0
+    # trains exactly what `crosstrain train` with the same --set does
+    threads = max(1, (os.cpu_count() or 1) // (jobs * (nproc or 1))) if jobs > 1 else 0
     command = TrialCommand(tuple(sets), config_path, nproc, threads, url, study or name,
                            "eval/" + settings.metric[len("eval_"):] if settings.metric.startswith("eval_") else "",
                            (settings.pruner, settings.startup_trials, settings.warmup_steps))
@@ -148,22 +150,22 @@ def _worker(search: Search, study: Any, storage: Any, log: Any) -> None:
 
     try:
         while not search.stopping.is_set():
-            got = take_next(study, search.out, search.trials, search.enqueue)
+            got = take_next(study, search.out, search.trials, search.enqueue, search.settings, search.params)
             if got is None:
                 return
-            trial, claim, resumed = got
+            trial, params, claim, resumed = got
             try:
-                _run_trial(search, study, storage, trial, resumed, log)
+                _run_trial(search, study, storage, trial, params, resumed, log)
             finally:
                 claim.release()
     except BaseException as exc:  # the first error ends the search once the other workers finish their trial
         search.errors.append(exc)
 
 
-def _run_trial(search: Search, study: Any, storage: Any, trial: Any, resumed: bool, log: Any) -> None:
+def _run_trial(search: Search, study: Any, storage: Any, trial: Any, params: dict[str, Any], resumed: bool,
+               log: Any) -> None:
     from optuna.trial import TrialState
 
-    params = {p.key: p.suggest(trial) for p in search.params}
     run_dir = Path(trial.user_attrs["run_dir"])
     pruned_at = storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT)
     what = "resuming" if resumed else "starting"

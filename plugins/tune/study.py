@@ -49,10 +49,13 @@ def open_storage(url: str) -> Any:
                           "sqlite:///PATH, postgresql://..., mysql://... or journal:PATH URL") from None
 
 
-def make_sampler(settings: SearchSettings, params: list[Param]) -> Any:
+def make_sampler(settings: SearchSettings, params: list[Param], offset: int = 0) -> Any:
+    """The sampler that draws trial number ``offset``: seeded with ``seed + offset``, so a tuner started again (or
+    a second tuner) does not replay the random stream of the first; the samplers keep no other state between
+    trials (their history is the study's)."""
     import optuna
 
-    seed = settings.seed
+    seed = settings.seed + offset
     if settings.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if settings.sampler == "grid":
@@ -138,9 +141,11 @@ def trial_dir(out: Path, name: str, number: int) -> Path:
     return out / name / f"trial_{number:04d}"
 
 
-def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None) -> tuple[Any, Claim, bool] | None:
-    """Under the study lock: a RUNNING trial left by a dead tuner (``resumed`` True) or a new one while the
-    study has fewer than ``limit`` trials; None when there is nothing left to run."""
+def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None, settings: SearchSettings,
+              params: list[Param]) -> tuple[Any, dict[str, Any], Claim, bool] | None:
+    """Under the study lock: a RUNNING trial left by a dead tuner (``resumed`` True, its stored parameters) or a
+    new one, drawn by a sampler seeded for its number, while the study has fewer than ``limit`` trials; None when
+    there is nothing left to run."""
     import optuna
     from optuna.trial import TrialState
 
@@ -155,20 +160,22 @@ def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None)
                 continue  # its tuner is alive
             # its tuner may have told the trial and released the claim since the read above: read it again
             if _state(study, t.number) == TrialState.RUNNING:
-                return optuna.trial.Trial(study, t._trial_id), claim, True
+                return optuna.trial.Trial(study, t._trial_id), dict(t.params), claim, True
             claim.release()
         if len(trials) >= limit:
             return None
         if enqueue is not None and not trials:
             study.enqueue_trial(enqueue, user_attrs={"base_config": True})
+        study.sampler = make_sampler(settings, params, offset=len(trials))
         trial = study.ask()
+        chosen = {p.key: p.suggest(trial) for p in params}
         run_dir = trial_dir(out, study.study_name, trial.number)
         claim = Claim(run_dir)
         if not claim.try_acquire():  # a run dir of the same name from an earlier study: refuse rather than mix
             study.tell(trial, state=TrialState.FAIL)
             raise ConfigError(f"{run_dir} is held by another process; pass another --out or --study")
         trial.set_user_attr("run_dir", str(run_dir.resolve()))
-        return trial, claim, False
+        return trial, chosen, claim, False
 
 
 def _state(study: Any, number: int) -> Any:
