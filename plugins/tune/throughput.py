@@ -31,7 +31,8 @@ def knobs(base: Any, nproc: int | None) -> dict[str, list[Any]]:
     per_rank = base.train.batch_size // world if base.train.batch_size % world == 0 else 0
     accum = [g for g in (1, 2, 4, 8) if per_rank and per_rank % g == 0] or [base.train.grad_accum]
     grid: dict[str, list[Any]] = {"train.grad_accum": accum, "parallel.activation_checkpoint": ["none", "full"]}
-    if base.backend != "cpu" and torch.cuda.is_available():
+    # compiling on the CPU costs more than it saves in a short search
+    if base.backend != "cpu" and torch.accelerator.is_available():
         grid["parallel.compile"] = [False, True]
     if world > 1:
         grid["parallel.layout"] = ["ddp", "fsdp"]
