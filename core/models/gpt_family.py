@@ -153,8 +153,9 @@ GPT_FAMILY = ModelFamily(
     activation_bytes=activation_bytes,
     hf_adapters=ADAPTERS,
     scalar_head=scalar_head,
-    refuses=("rope scaling other than the default", "partial_rotary_factor", "sliding windows",
-             "attention_bias / mlp_bias (Qwen2's q/k/v biases apart)", "hidden_act other than silu",
-             "head_dim other than hidden_size / num_attention_heads", "pickle-only weights (.bin/.pth)",
+    refuses=("rope types other than default/llama3/linear/dynamic/yarn/longrope",
+             "dynamic/longrope rope beyond the original context", "partial_rotary_factor outside phi3",
+             "hidden_act other than silu (gelu-tanh for Gemma)", "Gemma's use_bidirectional_attention",
+             "sliding windows on the MoE families", "pickle-only weights (.bin/.pth)",
              "parallel.pp > 1 with tied embeddings"),
 )
