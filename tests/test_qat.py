@@ -1,5 +1,5 @@
 """Quantization-aware training (issue 30): the fake quantisers against torchao's on identical inputs, the
-straight-through gradients in closed form, the bad inputs, and 2 gloo ranks (FSDP2) against one process."""
+straight-through gradients in closed form, the bad inputs, and 2 gloo ranks (FSDP2, tp) against one process."""
 
 from __future__ import annotations
 
