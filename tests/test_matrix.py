@@ -43,6 +43,20 @@ def test_the_plans_cover_every_admitted_pair_and_refuse_in_one_line():
     assert len(plan(True)[0]) > len(plan(False)[0])
 
 
+def test_qat_cells_hold_the_first_step_to_the_precision_and_the_loss_to_qat_loss():
+    from crosstrain.testing.matrix.factors import QAT_LOSS
+    from crosstrain.testing.matrix.runner import compare
+
+    ref = {"loss": [2.0] * 8, "grad_norm": [1.0] * 8}
+    flips = {"loss": [2.0] + [2.0 * (1 + QAT_LOSS / 2)] * 7, "grad_norm": [1.0] + [1.5] * 7}  # after the update
+    assert compare(flips, ref, "fp32", qat=True)[1] == ""
+    assert "grad_norm rel" in compare(flips, ref, "fp32")[1]  # the same runs fail without quant
+    wrong_scales = {"loss": [2.0 * (1 + 1e-4)] * 8, "grad_norm": [1.0] * 8}  # already apart at step 1
+    assert "loss@1 rel 1.00e-04 > 1e-05" in compare(wrong_scales, ref, "fp32", qat=True)[1]
+    drift = {"loss": [2.0] + [2.0 * (1 + 2 * QAT_LOSS)] * 7, "grad_norm": [1.0] * 8}
+    assert "loss rel" in compare(drift, ref, "fp32", qat=True)[1]
+
+
 def test_docs_table_is_generated_from_the_rules():
     text = DOC.read_text()
     assert generated() in text, "run: python -m crosstrain.testing.matrix --write-docs docs/parallelism.md"

@@ -1,5 +1,5 @@
 """Quantization-aware training (issue 30): the fake quantisers against torchao's on identical inputs, the
-straight-through gradients in closed form, the bad inputs, and 2 gloo ranks (FSDP2) against one process."""
+straight-through gradients in closed form, the bad inputs, and 2 gloo ranks (FSDP2, tp) against one process."""
 
 from __future__ import annotations
 
@@ -150,7 +150,37 @@ QAT = ["train.batch_size=4", "train.seq_len=32", "logging.progress=none", "sched
        # moves by one grid step, 1/255 of its range; on the int4 grid (1/15) such flips part the runs by 1e-4 at
        # step 2 and 7e-4 at step 4 (measured, with SGD as with AdamW), which is QAT's nature, not a layout error
        "quant.qat=int8", "optim.name=sgd", "optim.lr=0.3"]
-LAYOUTS = {"fsdp": ["parallel.dp_shard=2"]}  # (tp=2 trains too: 2.8e-4 apart at step 4, the tp split's own flips)
+LAYOUTS = {"fsdp": ["parallel.dp_shard=2"], "tp": ["parallel.tp=2"]}
+#: losses compared per layout: tp's row-parallel sum (wo, w2) reorders the forward's fp32 additions (1e-7), which
+#: flips roundings of the next layer's activations; 0, 1.3e-6, 5.4e-5 and 2.8e-4 apart at steps 0..3 (measured)
+COMPARED = {"fsdp": 4, "tp": 2}
+
+
+def _layer_under_tp(name: str) -> tuple[float, float]:
+    """A column- then a row-parallel fake-quantised linear on 2 tp ranks against the same layers in one process:
+    the largest relative output and weight-gradient differences. The row-parallel layer's input and weight are
+    sharded along in_features; DTensor reduces the per-token and per-row amax over the tp group, so the scales are
+    the 1-process ones (scales taken per shard would part the outputs by 1e-2, measured)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 32, bias=False), nn.Linear(32, 64, bias=False))
+        quantize_linears(m, scheme(name, 16))
+        return m
+
+    gen = torch.Generator().manual_seed(1)
+    x, upstream = torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 64, generator=gen)
+    ref = make()
+    want = ref(x)
+    (want * upstream).sum().backward()
+    tp = parallelize_module(make(), init_device_mesh("cpu", (2,)), {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    got = tp(x)
+    (got * upstream).sum().backward()
+    grad = max(float((a.weight.grad.full_tensor() - b.weight.grad).abs().max() / b.weight.grad.abs().max())
+               for a, b in zip(tp, ref, strict=True))
+    return float((got - want).abs().max() / want.abs().max()), grad
 
 
 def _fit(sets: list[str], out: Path) -> dict[str, Any]:
@@ -161,8 +191,10 @@ def _fit(sets: list[str], out: Path) -> dict[str, Any]:
     return {k: summary[k] for k in ("losses", "mesh")}
 
 
-def _fit_layouts(collective: Any, root: str) -> dict[str, dict[str, Any]]:
-    return {name: _fit([*QAT, *extra], Path(root) / name) for name, extra in LAYOUTS.items()}
+def _fit_layouts(collective: Any, root: str) -> dict[str, Any]:
+    runs: dict[str, Any] = {name: _fit([*QAT, *extra], Path(root) / name) for name, extra in LAYOUTS.items()}
+    runs["layer_tp"] = {name: _layer_under_tp(name) for name in ("int8", "int8-act-int4-weight")}
+    return runs
 
 
 def test_qat_on_two_ranks_matches_one_process(tmp_path) -> None:
@@ -177,7 +209,10 @@ def test_qat_on_two_ranks_matches_one_process(tmp_path) -> None:
         torch.set_num_threads(threads)
     assert ref["losses"][-1] < ref["losses"][0]  # QAT trains
     assert ref["losses"][1:] != plain["losses"][1:]  # and the fake quantisation is in the forward
+    for name, (out, grad) in rank0.pop("layer_tp").items():
+        assert out <= 1e-6 and grad <= 1e-6, f"{name} under tp: output {out:.1e}, weight grad {grad:.1e} apart"
+    assert rank0["fsdp"]["mesh"]["dp_shard"] == 2 and rank0["tp"]["mesh"]["tp"] == 2
     for name, run in rank0.items():
-        assert run["mesh"]["dp_shard"] == 2
-        worst = max(abs(g - w) / abs(w) for g, w in zip(run["losses"], ref["losses"], strict=True))
+        n = COMPARED[name]
+        worst = max(abs(g - w) / abs(w) for g, w in zip(run["losses"][:n], ref["losses"][:n], strict=True))
         assert worst <= REL, f"{name}: max rel loss diff {worst:.2e}: {run['losses']} vs {ref['losses']}"

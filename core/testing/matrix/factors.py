@@ -15,6 +15,7 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "lora": ("off", "on"),
     "precision": ("fp32", "bf16"),
     "grad_accum": ("1", "2"),
+    "quant": ("off", "int8"),
 }
 
 #: the run-time factors (no rule refuses any of their values here) are covered pairwise even by ``--full``; the
@@ -45,15 +46,23 @@ BASE = (
     "rl.max_new_tokens=8", "rl.stop=",
 )
 
-#: what "on" sets for MoE and LoRA
+#: what "on" sets for MoE and LoRA, and "int8" for quantisation-aware training (the compress plugin)
 MOE_ON = ("moe.experts=4",)
 LORA_ON = ("lora.rank=4",)
+QAT_INT8 = ("quant.qat=int8",)
 
 #: the logged metrics compared with the 1-process reference at every step and their largest relative difference:
 #: fp32 differs only in reduction order (the gradient norm, a sum over every parameter, a little more); bf16 rounds
 #: activations to 8 mantissa bits (2^-8 = 3.9e-3 per op). GRPO's loss is 0 by construction on the first pass over
 #: a rollout; its gradient norm is not.
 TOLERANCE = {"fp32": {"loss": 1e-5, "grad_norm": 1e-4}, "bf16": {"loss": 2e-2, "grad_norm": 1e-1}}
+
+#: quant=int8 (quantisation-aware training): fake quantisation is discontinuous, so once a layout's reduction order
+#: (1e-7) has moved a weight or activation across a rounding boundary, that value moves by a whole int8 grid step.
+#: The first step (the same weights: the scales reduced over the layout) is held to the precision's tolerance; from
+#: the first update on the runs part by such flips (measured on the pairwise cells: loss up to 3.2e-3, grad norm up
+#: to 2.5e-1 and, through grpo's sampling, more), so later steps compare the loss only, to this tolerance.
+QAT_LOSS = 1e-2
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class Cell:
     lora: str
     precision: str
     grad_accum: str
+    quant: str = "off"
 
     @classmethod
     def from_row(cls, row: tuple[str, ...]) -> Cell:
@@ -90,7 +100,8 @@ class Cell:
         out = [*BASE, f"train.recipe={self.recipe}", *LAYOUTS[self.layout][2], f"optim.impl={self.optim}",
                f"kernels.mode={self.kernels}", f"data.packing={self.packing}", f"precision.dtype={self.precision}",
                f"train.grad_accum={self.grad_accum}"]
-        return [*out, *(MOE_ON if self.moe == "on" else ()), *(LORA_ON if self.lora == "on" else ())]
+        return [*out, *(MOE_ON if self.moe == "on" else ()), *(LORA_ON if self.lora == "on" else ()),
+                *(QAT_INT8 if self.quant == "int8" else ())]
 
     def reference(self) -> Cell:
         """The same config on one process. Micro-batch ``i`` of all dp ranks together is micro-batch ``i`` of one

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crosstrain.testing.matrix.factors import TOLERANCE, Cell
+from crosstrain.testing.matrix.factors import QAT_LOSS, TOLERANCE, Cell
 
 CELL_TIMEOUT_S = 600.0
 
@@ -88,13 +88,19 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else "?"
 
 
-def compare(got: Logged, ref: Logged, precision: str) -> tuple[dict[str, float], str]:
-    """Each metric's largest relative difference, and why the cell fails ("" when it is the same)."""
-    rel = {key: max_rel(got.get(key, []), ref.get(key, [])) for key in TOLERANCE[precision]}
+def compare(got: Logged, ref: Logged, precision: str, qat: bool = False) -> tuple[dict[str, float], str]:
+    """Each metric's largest relative difference, and why the cell fails ("" when it is the same). With ``qat``,
+    the first step's metrics at the precision's tolerance and every step's loss at :data:`QAT_LOSS`."""
+    limits = dict(TOLERANCE[precision])
+    rel = {key: max_rel(got.get(key, []), ref.get(key, [])) for key in limits}
+    if qat:
+        first = {f"{key}@1": max_rel(got.get(key, [])[:1], ref.get(key, [])[:1]) for key in limits}
+        limits = {**{f"{key}@1": tol for key, tol in limits.items()}, "loss": max(limits["loss"], QAT_LOSS)}
+        rel = {**first, "loss": rel["loss"]}
     steps = len(got.get("loss", []))
     if steps < 8:
         return rel, f"{steps} logged steps, fewer than 8"
-    bad = [f"{key} rel {rel[key]:.2e} > {tol:g}" for key, tol in TOLERANCE[precision].items() if not rel[key] <= tol]
+    bad = [f"{key} rel {rel[key]:.2e} > {tol:g}" for key, tol in limits.items() if not rel[key] <= tol]
     return rel, ("differs from 1 process: " + ", ".join(bad)) if bad else ""
 
 
@@ -146,7 +152,7 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - a failing cell is the matrix's finding
             return Outcome(cell, "failed", _last_line(str(exc) if isinstance(exc, RuntimeError) else
                                                       traceback.format_exc()))
-        rel, why = compare(got, ref, cell.precision)
+        rel, why = compare(got, ref, cell.precision, qat=cell.quant != "off")
         detail = why or ", ".join(f"{k} rel {v:.1e}" for k, v in rel.items())
         return Outcome(cell, "failed" if why else "same", detail, rel)
 
