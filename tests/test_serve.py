@@ -141,7 +141,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served: dic
 
 def test_port_in_use_is_one_line_exit_2(served: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     from crosstrain.cli.main import main
-    from tests.one_line import one_line_error
+    from one_line import one_line_error
 
     assert main(["serve", str(served["run"]), "--port", str(served["server"].port)]) == 2
     captured = capsys.readouterr()

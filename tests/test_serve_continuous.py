@@ -71,7 +71,7 @@ def test_slot_cache_release_keeps_rows_packed(model: torch.nn.Module) -> None:
 
 def test_refusals_are_one_line(model: torch.nn.Module) -> None:
     from crosstrain.errors import ConfigError
-    from tests.one_line import raises_one_line
+    from one_line import raises_one_line
 
     batch = ContinuousBatch(model, 1)
     raises_one_line(lambda: batch.add(Sequence(list(range(60)), GenerationConfig(max_new_tokens=8))),
