@@ -140,8 +140,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served: dic
 
 
 def test_port_in_use_is_one_line_exit_2(served: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from crosstrain.cli.main import main
     from one_line import one_line_error
+
+    from crosstrain.cli.main import main
 
     assert main(["serve", str(served["run"]), "--port", str(served["server"].port)]) == 2
     captured = capsys.readouterr()

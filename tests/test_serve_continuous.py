@@ -70,8 +70,9 @@ def test_slot_cache_release_keeps_rows_packed(model: torch.nn.Module) -> None:
 
 
 def test_refusals_are_one_line(model: torch.nn.Module) -> None:
-    from crosstrain.errors import ConfigError
     from one_line import raises_one_line
+
+    from crosstrain.errors import ConfigError
 
     batch = ContinuousBatch(model, 1)
     raises_one_line(lambda: batch.add(Sequence(list(range(60)), GenerationConfig(max_new_tokens=8))),
