@@ -7,14 +7,13 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from crosstrain import kernels
 from crosstrain.errors import ConfigError
 from crosstrain.parallel import all_to_all_autograd, local_tensor
-from crosstrain.parallel.tp_autograd import copy_to_tp
+from crosstrain.parallel.tp_autograd import copy_to_tp, reduce_from_tp
 from crosstrain.plugins.moe.exchange import HEADER, agree
 
 
@@ -23,20 +22,6 @@ def _sharded(old: nn.Parameter, shard: torch.Tensor, mesh: Any, dim: int) -> nn.
     before the split (LoRA) must stay frozen, or each rank trains its experts where one process does not."""
     return nn.Parameter(DTensor.from_local(shard, mesh, [Shard(dim)], run_check=False),
                         requires_grad=old.requires_grad)
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Megatron's ``g``: all-reduce the partial outputs forward; the gradient passes through unchanged."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 class GroupedExperts(nn.Module):
@@ -112,7 +97,7 @@ class GroupedExperts(nn.Module):
         gate, up = kernels.grouped_mm(rows, torch.cat([w1, w3], dim=2), counts).chunk(2, dim=-1)
         out = kernels.grouped_mm(kernels.swiglu(gate, up), w2, counts)
         if self.tp_mesh is not None:  # each tp rank holds hidden / tp columns: its output is a partial sum
-            out = _ReduceFromTP.apply(out, self.tp_mesh.get_group())
+            out = reduce_from_tp(out, self.tp_mesh.get_group())
         return out
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, capacity: int = -1) -> torch.Tensor:
