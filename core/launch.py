@@ -27,6 +27,7 @@ from typing import Any
 
 from crosstrain.collective import free_port
 from crosstrain.errors import ConfigError, CrosstrainError
+from crosstrain.fault.peer_loss import first_cause
 from crosstrain.parentwatch import ENV_LAUNCHER_PID
 from crosstrain.runlock import lock_dir, pid_alive
 
@@ -94,7 +95,8 @@ def _run(run: Callable[[Any], Any], args: Any, *, max_restarts: int, run_dir: st
         raise LaunchError(f"launcher got {signal.Signals(exc.sigval).name} and the workers did not finish cleanly",
                           128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank = first_cause({r: (f.timestamp, f.exitcode) for r, f in exc.failures.items()})
+        failure = exc.failures[rank]
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         raise LaunchError(f"worker rank {rank} failed with exit code {failure.exitcode} "
                           f"(after {max_restarts} restart(s) allowed); see its output above", code) from None

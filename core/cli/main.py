@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from crosstrain import __version__
 from crosstrain.errors import CrosstrainError
+from crosstrain.fault.peer_loss import EXIT_PEER_LOST, is_peer_loss
 
 #: core subcommand modules under ``crosstrain.cli.commands``; each defines ``add_parser(subparsers)``.
 CORE_COMMANDS = ("train", "eval", "data", "tokenizer", "checkpoint", "backends", "plugins", "kernels",
@@ -70,7 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except CrosstrainError as exc:
         print(f"crosstrain: error: {exc}", file=sys.stderr)
-        return int(getattr(exc, "exit_code", 1))
+        return EXIT_PEER_LOST if is_peer_loss(exc) else int(getattr(exc, "exit_code", 1))
+    except RuntimeError as exc:
+        if not is_peer_loss(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        print(f"crosstrain: error: lost another rank ({first}); its own output above shows why it stopped",
+              file=sys.stderr)
+        return EXIT_PEER_LOST
     except KeyboardInterrupt:
         print("crosstrain: interrupted", file=sys.stderr)
         return 130
