@@ -251,7 +251,7 @@ def _batch() -> torch.Tensor:
 
 
 def _step(module: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and the training loss: cross-entropy + the balance loss (global scope, router_aux_loss_coef)."""
+    """Logits and the training loss: cross-entropy + the balance loss (pooled scope, router_aux_loss_coef)."""
     from crosstrain.engine.aux_loss import collect_aux_losses
     from crosstrain.parallel import next_token_loss
 
@@ -290,7 +290,7 @@ def _ranks(collective: Any, folders: dict[str, str]) -> dict[str, Any]:
 
 def test_two_ranks_match_one_process(hf_dirs: dict[str, Path]) -> None:
     """dp_shard=2, dp_shard=2 x ep=2 (experts split over the ranks) and tp=2 against one process on the whole batch:
-    logits, the loss (cross-entropy + global balance loss; the ranks' mean under dp), every gradient and the
+    logits, the loss (cross-entropy + pooled balance loss; the ranks' mean under dp), every gradient and the
     gradient norm within 1e-5."""
     from crosstrain.models.hf import load_pretrained
 
@@ -315,3 +315,45 @@ def test_two_ranks_match_one_process(hf_dirs: dict[str, Path]) -> None:
             mean = got[0]["loss"] if whole else (got[0]["loss"] + got[1]["loss"]) / 2
             assert abs(mean - float(loss.detach())) < 1e-5, (family, layout)
             assert abs(got[0]["norm"] - float(norm)) < 1e-5 * float(norm), (family, layout)
+
+
+def test_balance_loss_is_transformers_load_balancing_loss(hf_dirs: dict[str, Path]) -> None:
+    """The imported families train with transformers' balance loss (``output_router_logits=True``): the Switch
+    factors pooled over every MoE layer, counts of all k choices. The closed form on uniform routing, the pure
+    function against ``load_balancing_loss_func`` on random router logits, then whole models: cross-entropy +
+    ``router_aux_loss_coef`` x aux and the router gradients equal transformers' within 1e-5."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from crosstrain.models.hf import load_pretrained
+    from crosstrain.plugins.moe import balance
+
+    uniform = torch.full((6, 4), 0.25)
+    ids = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3], [0, 2], [1, 3]])
+    assert abs(float(balance.pooled_aux_loss(balance.pooled_stats(uniform, ids), coeff=0.1)) - 0.1 * 2) < 1e-7
+    g = torch.Generator().manual_seed(3)
+    layers = [torch.randn(10, 6, generator=g) for _ in range(3)]
+    stats = sum(balance.pooled_stats(lg.softmax(-1), lg.softmax(-1).topk(2).indices) for lg in layers)
+    assert isinstance(stats, torch.Tensor)
+    theirs = load_balancing_loss_func(tuple(layers), num_experts=6, top_k=2)
+    torch.testing.assert_close(balance.pooled_aux_loss(stats, coeff=1.0), theirs, rtol=1e-6, atol=1e-7)
+    # not the per-layer Switch loss summed over layers, which the scopes other than "pooled" compute
+    per_layer = sum(balance.switch_aux_loss(lg.softmax(-1), lg.softmax(-1).topk(2).indices, 1.0) for lg in layers)
+    assert abs(float(per_layer) - float(theirs)) > 0.1
+
+    tokens = _batch()
+    for family, (_, _, moe) in FAMILIES.items():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[family]).train()
+        out = ref(tokens[:, :-1], output_router_logits=True)
+        ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
+        (ce + moe["router_aux_loss_coef"] * out.aux_loss).backward()
+        ours = load_pretrained(hf_dirs[family]).train()
+        with registry.use_reference():
+            _, loss = _step(ours, tokens)
+        loss.backward()
+        want = ce.detach() + moe["router_aux_loss_coef"] * out.aux_loss.detach()
+        assert abs(float(loss.detach()) - float(want)) < 1e-5, family
+        sparse = [i for i in range(ref.config.num_hidden_layers) if i not in moe.get("mlp_only_layers", [])]
+        for i in sparse:
+            their_grad = ref.model.layers[i].mlp.gate.weight.grad
+            our_grad = ours.get_submodule(f"layers.{i}.feed_forward.router").weight.grad
+            torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-6, msg=f"{family} layer {i}")

@@ -4,6 +4,9 @@ A module calls :func:`add_aux_loss` inside its ``forward``; the training loop co
 micro-batch's forward, adds their sum to the recipe's loss before the backward (so gradient accumulation,
 loss scaling and the non-finite guard treat them like the loss) and reports each as ``aux/<name>``.
 Outside a training forward (evaluation, generation, export) :func:`add_aux_loss` does nothing.
+A term that is not a sum of per-layer terms (transformers' MoE balance loss multiplies router statistics pooled
+over every layer) is added as statistics with :func:`add_pooled_aux_loss`, summed over the forward and finished
+once when the forward ends.
 
 Module metrics (:func:`add_metric`: an MoE layer's load, drop rate, router entropy) travel the same way: collected
 per micro-batch, never differentiated, reported under their own name and averaged like the loss.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -30,11 +33,11 @@ class ForwardCollector(Generic[V]):
     layer; ``previous`` is None on the first).
     """
 
-    def __init__(self, name: str, fold: Callable[[V | None, torch.Tensor], V]) -> None:
+    def __init__(self, name: str, fold: Callable[[V | None, Any], V]) -> None:
         self._values: contextvars.ContextVar[dict[str, V] | None] = contextvars.ContextVar(name, default=None)
         self._fold = fold
 
-    def add(self, name: str, value: torch.Tensor) -> None:
+    def add(self, name: str, value: Any) -> None:
         """Fold ``value`` into this forward's ``name``; a no-op outside :meth:`collect`."""
         values = self._values.get()
         if values is not None:
@@ -66,7 +69,15 @@ def _append(previous: list[torch.Tensor] | None, value: torch.Tensor) -> list[to
     return previous
 
 
+def _sum_pooled(previous: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None,
+                value: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
+                ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    return value if previous is None else (previous[0] + value[0], previous[1])
+
+
 _aux_losses: ForwardCollector[torch.Tensor] = ForwardCollector("crosstrain_aux_losses", _sum)
+_pooled: ForwardCollector[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = ForwardCollector(
+    "crosstrain_pooled_aux_losses", _sum_pooled)
 _metrics: ForwardCollector[list[torch.Tensor]] = ForwardCollector("crosstrain_module_metrics", _append)
 
 
@@ -78,9 +89,22 @@ def add_aux_loss(name: str, value: torch.Tensor) -> None:
     _aux_losses.add(name, value)
 
 
-def collect_aux_losses() -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
-    """Collect the auxiliary losses added inside the ``with`` block into the yielded dict."""
-    return _aux_losses.collect()
+def add_pooled_aux_loss(name: str, stats: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Add ``stats`` to this forward's running sum for the term ``name``, which is ``finish(sum)`` (a scalar,
+    coefficient included), computed once when the forward ends; ``finish`` runs on every rank that ran the
+    forward, so it may all-reduce. Every call with one name must give the same ``finish`` (the first one is used).
+    """
+    _pooled.add(name, (stats, finish))
+
+
+@contextlib.contextmanager
+def collect_aux_losses() -> Iterator[dict[str, torch.Tensor]]:
+    """Collect the auxiliary losses added inside the ``with`` block into the yielded dict; pooled terms
+    (:func:`add_pooled_aux_loss`) are finished and added when the block ends."""
+    with _aux_losses.collect() as terms, _pooled.collect() as pooled:
+        yield terms
+    for name, (stats, finish) in pooled.items():
+        terms[name] = finish(stats) if name not in terms else terms[name] + finish(stats)
 
 
 def collecting() -> bool:

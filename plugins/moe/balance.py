@@ -1,4 +1,4 @@
-"""Load-balancing terms: the Switch auxiliary loss (three scopes), the router z-loss, the aux-loss-free bias
+"""Load-balancing terms: the Switch auxiliary loss (four scopes), the router z-loss, the aux-loss-free bias
 update, and the router entropy. Each is one pure function of the router's outputs."""
 
 from __future__ import annotations
@@ -55,6 +55,33 @@ def global_counts(ids: torch.Tensor, experts: int, group: Any = None) -> torch.T
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     return counts
+
+
+def pooled_stats(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One layer's share of :func:`pooled_aux_loss`: ``[c_i, sum_n probs[n, i], N]`` as fp32 ``[2E + 1]``, with
+    ``c_i`` the top-k choices of expert ``i`` (not differentiable) for ``probs [N, E]`` and ``ids [N, k]``."""
+    counts = expert_counts(ids.detach(), probs.shape[-1]).to(probs.device)
+    return torch.cat([counts, probs.float().sum(dim=0), counts.new_tensor([float(probs.shape[0])])])
+
+
+def pooled_aux_loss(stats: torch.Tensor, coeff: float, group: Any = None) -> torch.Tensor:
+    """transformers' MoE balance loss (``load_balancing_loss_func`` of Mixtral and Qwen3-MoE): the Switch loss
+    (Fedus et al. 2021, eq. 4-6) with both factors pooled over every MoE layer of the forward,
+    ``coeff * E * sum_i F_i * P_i``, ``F_i = sum_l c_{l,i} / sum_l N_l`` (so ``sum_i F_i = k``) and
+    ``P_i = sum_l sum_n p_{l,n,i} / sum_l N_l``, from the summed :func:`pooled_stats`. Uniform routing gives
+    ``coeff * k``.
+
+    The counts and token numbers are summed over the ranks of ``group`` (one all-reduce per forward); ``P`` stays
+    this rank's. With ``F`` constant the loss is linear in ``P``, so the ranks' mean is the one-process loss of the
+    whole batch, as for :func:`global_counts`.
+    """
+    experts = (stats.numel() - 1) // 2
+    counts = torch.cat([stats[:experts], stats[-1:]]).detach().clone()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    f = counts[:experts] / counts[-1].clamp_min(1.0)
+    p = stats[experts:-1] / stats[-1].clamp_min(1.0)
+    return coeff * experts * (f * p).sum()
 
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:

@@ -28,9 +28,11 @@ class MoESection(BaseModel):
     dense_layers: list[int] = Field(default_factory=list, description="blocks that stay dense whatever `every` "
                                     "says (Qwen3-MoE's mlp_only_layers)")
     jitter: float = Field(default=0.0, ge=0, lt=1, description="multiplicative router-input noise in training")
-    aux_loss: Literal["micro_batch", "sequence", "global", "none"] = Field(
+    aux_loss: Literal["micro_batch", "sequence", "global", "pooled", "none"] = Field(
         default="global", description="Switch balance-loss scope; global (expert counts over all ranks) gives "
-        "(and sequence) the same run on every layout; micro_batch depends on the per-rank micro-batch")
+        "(and sequence) the same run on every layout; micro_batch depends on the per-rank micro-batch; pooled = "
+        "transformers' Mixtral/Qwen3-MoE loss (statistics pooled over the layers, counts over all ranks; the "
+        "default for an imported MoE checkpoint)")
     aux_loss_coeff: float = Field(default=0.01, ge=0)
     z_loss_coeff: float = Field(default=0.001, ge=0)
     bias_update_rate: float = Field(default=0.0, ge=0, description="aux-loss-free balancing; 0 = off")

@@ -39,8 +39,8 @@ def moe_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]
 
     Routers: Mixtral takes softmax over all experts, top-k and always renormalises (``MixtralTopKRouter``, also for
     top-1); Qwen3-MoE renormalises only with ``norm_topk_prob``. Experts are dropless, as in transformers (no
-    token is ever dropped), and the router z-loss is off (neither model has one). The balance loss takes its
-    coefficient from ``router_aux_loss_coef``.
+    token is ever dropped), and the router z-loss is off (neither model has one). The balance loss is transformers'
+    (``aux_loss = "pooled"``, what ``output_router_logits = true`` adds) with ``router_aux_loss_coef``.
     """
     model_type = hf.get("model_type")
     if model_type not in MOE_TYPES:
@@ -53,7 +53,7 @@ def moe_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]
     if window is not None and int(window) < int(hf.get("max_position_embeddings") or 0):
         raise ConfigError(f"{where}: sliding_window={window} is not supported for {model_type} yet (the dense "
                           "families' windows are not tested with MoE layers); use sliding_window null")
-    out: dict[str, Any] = {"capacity_factor": 0.0, "z_loss_coeff": 0.0, "router": "softmax",
+    out: dict[str, Any] = {"capacity_factor": 0.0, "z_loss_coeff": 0.0, "router": "softmax", "aux_loss": "pooled",
                            "aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)), "shared_experts": 0}
     out["top_k"] = _int(hf, "num_experts_per_tok", where=where)
     if model_type == "mixtral":

@@ -3,8 +3,9 @@ Qwen3-MoE folder, the checkpoint's architecture (its ``config.json``) with the r
 
 The architecture keys (experts, top_k, blocks, expert size, router) come from the checkpoint; setting one of them
 to another non-default value is a one-line error, and so is a capacity factor (transformers drops no token, so a
-capacity would change what the imported model computes). The balance-loss coefficient is ``router_aux_loss_coef``
-and the z-loss is off unless the run sets them to non-default values.
+capacity would change what the imported model computes). The balance loss is transformers' (``aux_loss =
+"pooled"``) with coefficient ``router_aux_loss_coef``, and the z-loss is off, unless the run sets them to
+non-default values.
 """
 
 from __future__ import annotations
@@ -53,5 +54,5 @@ def effective_section(config: Any) -> MoESection:
     if sec.upcycle_from:
         raise ConfigError(f"moe.upcycle_from cannot be combined with {where}, which already has its experts; "
                           "remove moe.upcycle_from")
-    taken = {k: fields[k] for k in (*ARCHITECTURE, "aux_loss_coeff", "z_loss_coeff") if k not in changed}
+    taken = {k: fields[k] for k in (*ARCHITECTURE, "aux_loss", "aux_loss_coeff", "z_loss_coeff") if k not in changed}
     return MoESection(**{**sec.model_dump(), **taken})

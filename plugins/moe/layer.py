@@ -3,6 +3,7 @@ through the loop's auxiliary-loss path and per-layer metrics."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from crosstrain import kernels
-from crosstrain.engine.aux_loss import add_aux_loss, add_metric, collecting
+from crosstrain.engine.aux_loss import add_aux_loss, add_metric, add_pooled_aux_loss, collecting
 from crosstrain.plugins.moe import balance, capacity, router
 from crosstrain.plugins.moe.config import MoESection
 from crosstrain.plugins.moe.experts import GroupedExperts
@@ -135,9 +136,17 @@ class MoELayer(nn.Module):
     def _balance(self, logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor, shape: torch.Size) -> None:
         cfg = self.cfg
         if cfg.aux_loss_coeff > 0 and cfg.aux_loss != "none":
+            term: torch.Tensor | None
             if cfg.aux_loss == "sequence" and len(shape) == 3:
                 b, t = shape[0], shape[1]
                 term = balance.sequence_aux_loss(probs.view(b, t, -1), ids.view(b, t, -1), cfg.aux_loss_coeff)
+            elif cfg.aux_loss == "pooled":
+                # computed in every grad-recording forward (so a recompute saves what the forward saved); added
+                # only inside the loop's forward, finished once per forward with one all-reduce of the counts
+                if torch.is_grad_enabled():
+                    add_pooled_aux_loss("moe_load_balance", balance.pooled_stats(probs, ids),
+                                        functools.partial(balance.pooled_aux_loss, coeff=cfg.aux_loss_coeff))
+                term = None
             elif cfg.aux_loss == "global":
                 # Only where gradients are recorded (a training forward or its recompute, which every rank runs):
                 # under no_grad (rollout generation, whose ranks may stop after different numbers of tokens) the
@@ -146,7 +155,8 @@ class MoELayer(nn.Module):
                 term = balance.switch_aux_loss(probs, ids, cfg.aux_loss_coeff, counts=counts)
             else:
                 term = balance.switch_aux_loss(probs, ids, cfg.aux_loss_coeff)
-            add_aux_loss("moe_load_balance", term)
+            if term is not None:
+                add_aux_loss("moe_load_balance", term)
         if cfg.z_loss_coeff > 0:
             add_aux_loss("moe_z_loss", balance.z_loss(logits, cfg.z_loss_coeff))
         if cfg.bias_update_rate > 0 and collecting():

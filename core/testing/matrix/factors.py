@@ -11,7 +11,7 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "optim": ("auto", "torch"),
     "kernels": ("auto", "reference"),
     "packing": ("concat", "documents"),
-    "moe": ("off", "on"),
+    "moe": ("off", "on", "pooled"),
     "lora": ("off", "on"),
     "precision": ("fp32", "bf16"),
     "grad_accum": ("1", "2"),
@@ -46,8 +46,10 @@ BASE = (
     "rl.max_new_tokens=8", "rl.stop=",
 )
 
-#: what "on" sets for MoE and LoRA, and "int8" for quantisation-aware training (the compress plugin)
+#: what "on" sets for MoE ("pooled": with transformers' balance loss, an imported checkpoint's) and LoRA, and
+#: "int8" for quantisation-aware training (the compress plugin)
 MOE_ON = ("moe.experts=4",)
+MOE_POOLED = (*MOE_ON, "moe.aux_loss=pooled")
 LORA_ON = ("lora.rank=4",)
 QAT_INT8 = ("quant.qat=int8",)
 
@@ -100,7 +102,8 @@ class Cell:
         out = [*BASE, f"train.recipe={self.recipe}", *LAYOUTS[self.layout][2], f"optim.impl={self.optim}",
                f"kernels.mode={self.kernels}", f"data.packing={self.packing}", f"precision.dtype={self.precision}",
                f"train.grad_accum={self.grad_accum}"]
-        return [*out, *(MOE_ON if self.moe == "on" else ()), *(LORA_ON if self.lora == "on" else ()),
+        moe = {"on": MOE_ON, "pooled": MOE_POOLED}.get(self.moe, ())
+        return [*out, *moe, *(LORA_ON if self.lora == "on" else ()),
                 *(QAT_INT8 if self.quant == "int8" else ())]
 
     def reference(self) -> Cell:
