@@ -197,3 +197,26 @@ def test_gemma_options_it_does_not_compute_are_one_line_refusals(
     assert main(["train", "--set", f"model.init_from={folder}"]) == 2
     err = capsys.readouterr().err.strip()
     assert field in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2"])
+def test_onnx_export_keeps_the_windows(hf_dirs: dict[str, Path], tmp_path: Path, kind: str) -> None:
+    """A windowed family exported to ONNX passes export's parity gate (prefill 8 tokens, then decode past the
+    8-token window through the cache), and onnxruntime's logits of a 24-token prefill equal transformers'."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import numpy as np
+
+    from crosstrain.plugins.export.runtime import make_session, run
+
+    out = tmp_path / f"{kind}.onnx"
+    assert main(["export", str(hf_dirs[kind]), "--format", "onnx", "--out", str(out), "--json"]) == 0
+    ids = _ids(24)
+    session = make_session(out)
+    names = [i.name for i in session.get_inputs()]
+    cfg = json.loads((hf_dirs[kind] / "config.json").read_text())
+    kv, dim = cfg["num_key_value_heads"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    empty = np.zeros((ids.shape[0], kv, 0, dim), dtype=np.float32)
+    feeds = {names[0]: ids.numpy(), **{name: empty for name in names[1:]}}
+    ours = torch.from_numpy(run(session, feeds)[0])
+    torch.testing.assert_close(ours, _logits(_hf(kind, hf_dirs[kind]), ids), rtol=1e-4, atol=1e-4)
