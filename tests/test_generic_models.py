@@ -258,3 +258,40 @@ def test_models_command_lists_every_family_from_its_bundle(plugin: Any) -> None:
     assert "llama" not in generic["model_types"] and "pp" not in generic["parallel_dims"]
     assert "parallel.pp > 1" in generic["refuses"]
     assert found["toy"]["path"] == "native" and found["toy"]["presets"] == ["toy"]
+
+
+def test_lora_all_linear_adapts_every_linear_layer_but_the_head(folders: dict[str, Path]) -> None:
+    """``lora.targets=["all-linear"]`` (PEFT's): on every generic family each ``nn.Linear`` but the output head gets
+    an adapter and only the adapters train; a reward model's scalar head stays trainable and unadapted. Falcon's
+    layers are ``FalconLinear`` (a subclass with its own forward), which LoRA leaves alone: refused in one line."""
+    from torch import nn
+
+    from crosstrain.config import load_config
+    from crosstrain.engine.models import transform_model
+    from crosstrain.models.family import swap_scalar_head
+    from crosstrain.plugins.rlhf.lora import LoRALinear
+    from crosstrain.recipes.lm import build_model
+
+    for family, folder in folders.items():
+        for recipe, name in (("sft", "policy"), ("rm", "reward")):
+            config = load_config(None, _sets(folder, f"train.recipe={recipe}", "lora.rank=2",
+                                             'lora.targets=["all-linear"]'))
+            model = build_model(config)
+            if recipe == "rm":
+                swap_scalar_head(model, "normal", who="test")
+            head = model.get_output_embeddings()
+            linear = {n for n, m in model.named_modules() if type(m) is nn.Linear and m is not head}
+            if family == "falcon":
+                assert not linear
+                raises_one_line(lambda m=model, n=name, c=config: transform_model(m, n, c), "FalconLinear",
+                                "lora.rank=0")
+                continue
+            assert linear, family
+            model = transform_model(model, name, config)
+            adapted = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+            assert adapted == linear, (family, recipe)
+            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+            lora = {f"{n}.lora_{ab}" for n in linear for ab in "AB"}
+            head_names = {n for n, p in model.named_parameters() if any(p is q for q in head.parameters())}
+            assert head_names and not head_names & lora
+            assert trainable == lora | (head_names if recipe == "rm" else set()), (family, recipe)

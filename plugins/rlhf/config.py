@@ -32,4 +32,5 @@ class LoRASection(BaseModel):
     alpha: float = Field(default=16.0, gt=0, description="the update is scaled by alpha / rank")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter's input")
     targets: list[str] = Field(default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"],
-                               description="attribute names of the nn.Linear layers to adapt")
+                               description="attribute names of the nn.Linear layers to adapt, or "
+                               "\"all-linear\": every linear layer but the output head (PEFT's all-linear)")

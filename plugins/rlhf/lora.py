@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crosstrain.errors import ConfigError
+
 
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` with a low-rank update; made in place from an existing Linear by :func:`add_lora`."""
@@ -34,22 +36,53 @@ class LoRALinear(nn.Linear):
         return out
 
 
+#: the ``lora.targets`` entry that selects every linear layer but the output head (PEFT's ``"all-linear"``)
+ALL_LINEAR = "all-linear"
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The LM (or scalar) head: transformers' ``get_output_embeddings()``, the GPT's ``output``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if head is not None else getattr(model, "output", None)
+
+
+def lora_layers(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:
+    """The plain ``nn.Linear`` layers of ``model`` that ``targets`` selects, by attribute name (``wq``,
+    ``q_proj``) or, with ``"all-linear"``, all of them except the output head (as PEFT)."""
+    head = output_head(model) if ALL_LINEAR in targets else None
+    return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear
+            and (name.rsplit(".", 1)[-1] in targets or (ALL_LINEAR in targets and module is not head))]
+
+
+def no_match_error(model: nn.Module, targets: list[str], name: str) -> ConfigError:
+    """The one-line error for ``targets`` that select no layer of ``model``: the names it could use instead."""
+    head = output_head(model)
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is nn.Linear and m is not head})
+    if names:
+        return ConfigError(f"lora.targets={targets} matches no nn.Linear of model {name!r}; use names of its linear "
+                           f"layers ({', '.join(names[:10])}) or \"{ALL_LINEAR}\"")
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear) and m is not head})
+    return ConfigError(f"lora.targets={targets} matches no nn.Linear of model {name!r}: it has no plain nn.Linear "
+                       f"({', '.join(kinds) or 'no linear layer'} keep their own forward, which LoRA does not wrap); "
+                       "set lora.rank=0")
+
+
 def add_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, targets: list[str]) -> list[str]:
-    """Freeze ``model`` and turn every ``nn.Linear`` whose attribute name is in ``targets`` into a LoRALinear;
-    returns the adapted module names."""
+    """Freeze ``model`` and turn every ``nn.Linear`` that ``targets`` selects (:func:`lora_layers`) into a
+    LoRALinear; returns the adapted module names."""
     model.requires_grad_(False)
     adapted = []
-    for name, module in model.named_modules():
-        if type(module) is nn.Linear and name.rsplit(".", 1)[-1] in targets:
-            a = torch.empty(rank, module.in_features, device=module.weight.device, dtype=module.weight.dtype)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-            module.__class__ = LoRALinear
-            module.lora_A = nn.Parameter(a)
-            module.lora_B = nn.Parameter(torch.zeros(module.out_features, rank, device=a.device, dtype=a.dtype))
-            module.lora_scaling = alpha / rank  # type: ignore[assignment]
-            module.lora_enabled = True  # type: ignore[assignment]
-            module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-            adapted.append(name)
+    for name, module in lora_layers(model, targets):
+        a = torch.empty(rank, module.in_features, device=module.weight.device, dtype=module.weight.dtype)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        module.__class__ = LoRALinear
+        module.lora_A = nn.Parameter(a)
+        module.lora_B = nn.Parameter(torch.zeros(module.out_features, rank, device=a.device, dtype=a.dtype))
+        module.lora_scaling = alpha / rank  # type: ignore[assignment]
+        module.lora_enabled = True  # type: ignore[assignment]
+        module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        adapted.append(name)
     return adapted
 
 

@@ -47,21 +47,17 @@ def crosstrain_transform_model(model: Any, config: Any, name: str) -> Any:
     lora = config.section("lora")
     if not lora.rank or config.train.recipe not in NAMES or name not in ADAPTED:
         return model  # (export rebuilds the run's model as "model" from weights with the adapters merged)
-    from torch import nn
+    from crosstrain.plugins.rlhf.lora import add_lora, lora_layers, no_match_error, output_head
 
-    from crosstrain.plugins.rlhf.lora import add_lora
-
-    smallest = min((min(m.in_features, m.out_features) for n, m in model.named_modules()
-                    if type(m) is nn.Linear and n.rsplit(".", 1)[-1] in lora.targets), default=0)
+    smallest = min((min(m.in_features, m.out_features) for _, m in lora_layers(model, list(lora.targets))), default=0)
     if smallest and lora.rank > smallest:  # a rank above a layer's smaller side adds parameters, not expressiveness
         raise ConfigError(f"lora.rank={lora.rank} exceeds the smallest adapted layer's dimension ({smallest}); set "
                           f"lora.rank <= {smallest}")
     if not add_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=list(lora.targets)):
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is nn.Linear})
-        raise ConfigError(f"lora.targets={list(lora.targets)} matches no nn.Linear of model {name!r}; "
-                          f"use names of its linear layers: {', '.join(names[:10]) or 'none'}")
-    if config.train.recipe == "rm" and getattr(model, "output", None) is not None:
-        model.output.requires_grad_(True)
+        raise no_match_error(model, list(lora.targets), name)
+    head = output_head(model)
+    if config.train.recipe == "rm" and head is not None:
+        head.requires_grad_(True)
     return model
 
 
