@@ -27,3 +27,22 @@ def test_lora_identity_disable_and_merge():
     merged = build_gpt("tiny", n_layers=1, dim=32, n_heads=2)
     merged.load_state_dict(merge_lora(model.state_dict(), scaling=8 / 4))
     torch.testing.assert_close(merged(tokens), changed, rtol=1e-5, atol=1e-5)
+
+
+def test_all_linear_on_the_gpt_is_the_default_set_with_or_without_experts():
+    """``"all-linear"`` on the GPT adapts the default targets' layers: not the output head, and not an MoE layer's
+    router (read as a weight in fp32, never called, so an adapter there would silently do nothing)."""
+    from crosstrain.config import load_config
+    from crosstrain.engine.models import transform_model
+    from crosstrain.recipes.lm import build_model
+
+    for moe in ([], ["moe.experts=4"]):
+        sets = ["train.recipe=sft", "lora.rank=2", "model.n_layers=2", "model.dim=32", "model.n_heads=2", *moe]
+        default = transform_model(build_model(load_config(None, sets)), "policy", load_config(None, sets))
+        every = load_config(None, [*sets, 'lora.targets=["all-linear"]'])
+        model = transform_model(build_model(every), "policy", every)
+        adapted = sorted(n for n, m in model.named_modules() if isinstance(m, LoRALinear))
+        assert adapted == sorted(n for n, m in default.named_modules() if isinstance(m, LoRALinear)), moe
+        assert adapted and not any(n == "output" or n.endswith("router") for n in adapted)
+        if moe:
+            assert any(n.endswith("router") for n, _ in model.named_modules())
