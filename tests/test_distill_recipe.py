@@ -170,3 +170,19 @@ def test_demo_trains_a_teacher_and_distills_it_in_one_command(tmp_path, capsys) 
     summary = json.loads((tmp_path / "demo" / "student" / "summary.json").read_text())
     assert summary["recipe"] == "distill" and summary["distill"]["teacher"]["source"].endswith("step_2")
     assert result["eval_nll_teacher"] > 0 and result["eval_nll_student"] > 0
+
+
+@pytest.mark.parametrize("layout", [("parallel.dp_shard=1", "parallel.tp=2"), ("parallel.dp_replicate=2",
+                                                                           "parallel.dp_shard=1"),
+                                    ("parallel.dp_shard=2", "parallel.ep=2", "moe.experts=4")],
+                         ids=["tp=2", "dp_replicate=2", "ep=2"])
+def test_other_layouts_equal_one_process(teacher, tmp_path, layout) -> None:
+    """tp=2 (the student's logits vocabulary-sharded: the chunked divergence on shards), DDP, and an MoE student
+    with its experts over ep=2 give the 1-process losses within 1e-4 relative."""
+    sets = (f"distill.teacher={teacher}", *KD, "train.steps=4", "eval.every=0")
+    moe = tuple(s for s in layout if s.startswith("moe."))
+    one = _train(tmp_path / "one", *sets, *moe)
+    two = _train(tmp_path / "two", *sets, *layout, nproc=2)
+    assert len(two["losses"]) == 4
+    for a, b in zip(one["losses"], two["losses"], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (one["losses"], two["losses"])

@@ -281,7 +281,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
     family = family_of(model)
     if family is not None:  # a model of a registered family (crosstrain.models.family) checks the split itself
         family.validate_parallel(model.config, dims)
-    check_expert_model(model, dims)
+    if trainable:  # a frozen dense model (a distillation teacher) under ep: the ep ranks are data-parallel ranks
+        check_expert_model(model, dims)
     if compile and dims.tp > 1:
         # Observed with torch 2.13 (aot_eager and inductor): the backward of DTensor's redistribution inside a
         # compiled TP block receives a plain tensor and fails at the first step.
