@@ -1,5 +1,6 @@
 """PBT through crosstrain's checkpoints: after round 0 the worse member resumes from the better one's checkpoint
-(exploit) and trains round 1 with that member's learning rate perturbed by x1.25 or /1.25 (explore)."""
+(exploit) and trains round 1 with that member's learning rate perturbed by x1.25 or /1.25 (explore), on one cosine
+decay over both rounds (``schedule.total_steps``), not one per round."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_pbt_exploits_a_checkpoint_and_explores_its_hyperparameters(tmp_path: Pa
     space, out = tmp_path / "space.toml", tmp_path / "out"
     space.write_text(SPACE)
     sets = [s for s in TINY if not s.startswith("train.steps")]
-    sets += ["train.steps=8", "schedule.name=constant", "schedule.warmup_steps=0"]
+    sets += ["train.steps=8", "schedule.name=cosine", "schedule.warmup_steps=0"]
     done = subprocess.run([sys.executable, "-m", "crosstrain", "tune", str(space), "--out", str(out), "--json",
                            *_sets(sets)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -50,5 +51,14 @@ def test_pbt_exploits_a_checkpoint_and_explores_its_hyperparameters(tmp_path: Pa
     assert [e["checkpoint"] for e in events if e["event"] == "resume"] == [str(source)]
     rows = [json.loads(line) for line in (loser_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))  # rounds 0 and 1, no step trained twice
-    assert all(r["lr"] == pytest.approx(explored_lr) for r in rows if r["step"] > 4)
+    from crosstrain.optim.schedules import lr_factor
+
+    def cosine(step: int) -> float:  # the factor of 1-based step ``step`` of one 8-step decay
+        return lr_factor(step - 1, total_steps=8, warmup_steps=0, name="cosine", min_lr_ratio=0.1)
+
+    assert all(r["lr"] == pytest.approx(explored_lr * cosine(r["step"])) for r in rows if r["step"] > 4)
+    winner_rows = [json.loads(line) for line in
+                   (out / "space" / f"member_{winner:02d}" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in winner_rows] == pytest.approx([winner_lr * cosine(step) for step in range(1, 9)])
+    assert winner_rows[4]["lr"] < winner_rows[3]["lr"]  # round 1 goes on decaying: no restart at step 5
     assert result["best_value"] == pytest.approx(min(m["values"][-1] for m in state["members"]))

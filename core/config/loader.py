@@ -147,6 +147,9 @@ def check_static(config: Config) -> None:
     t, m = config.train, config.model
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
+    if 0 < config.schedule.total_steps < t.steps:
+        raise ConfigError(f"schedule.total_steps={config.schedule.total_steps} is shorter than train.steps={t.steps}; "
+                          "set schedule.total_steps >= train.steps, or 0 (= train.steps)")
     if m.import_path and m.init_from:
         raise ConfigError("model.init_from loads weights into the built-in GPT; it cannot be combined with "
                           "model.import_path (load them in your own build function instead)")

@@ -87,6 +87,9 @@ class ScheduleConfig(Section):
     name: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(default=20, ge=0)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    total_steps: int = Field(default=0, ge=0, description="steps the schedule spans; 0 = train.steps. Set the "
+                             "final length when a run trains in parts (resumed to a larger train.steps, PBT rounds) so "
+                             "the decay does not restart")
 
 
 class ParallelConfig(Section):

@@ -308,7 +308,7 @@ def _build_models(
         slot = TrainedModel(name, pm, spec.trainable, spec.source or f"recipe {recipe.name}", sha)
         if spec.trainable and not for_eval:
             slot.optimizer = build_optimizer(slot.params, cfg.optim, device, backend=backend)
-            slot.schedule = build_schedule(slot.optimizer, cfg.schedule, cfg.train.steps)
+            slot.schedule = build_schedule(slot.optimizer, cfg.schedule, cfg.schedule.total_steps or cfg.train.steps)
         models[name] = slot
     return models, choice
 

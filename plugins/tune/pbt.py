@@ -10,8 +10,8 @@ The state after each round is ``<out>/<study>/pbt.json``, so the same command af
 last finished round (a member's unfinished round resumes from its own checkpoint). Finished members are added to
 the Optuna study as trials, so ``crosstrain tune --report`` and optuna-dashboard show them.
 
-Each round's run has ``train.steps`` = the round's last step, so a decaying LR schedule restarts its decay every
-round; PBT's own papers use a constant schedule (``--set schedule.name=constant``).
+Each round's run has ``train.steps`` = the round's last step and ``schedule.total_steps`` = the whole run's
+(unless the base config sets it), so a decaying LR schedule decays once over all rounds, as one uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def run_pbt(settings: SearchSettings, params: list[Param], name: str, **common: 
     if steps % rounds:
         raise ConfigError(f"train.steps={steps} must be divisible by [tune] rounds = {rounds}; change either")
     per_round = steps // rounds
+    total = search.base.schedule.total_steps or steps
     root = search.out / search.study_name
     state_path = root / "pbt.json"
     rng = random.Random(settings.seed)
@@ -91,7 +92,7 @@ def run_pbt(settings: SearchSettings, params: list[Param], name: str, **common: 
         def train(i: int, r: int = r, end: int = end) -> float:
             member = state["members"][i]
             run_dir = root / f"member_{i:02d}"
-            extra = [f"train.steps={end}"]
+            extra = [f"train.steps={end}", f"schedule.total_steps={total}"]
             if member["resume_from"]:
                 extra.append(f"checkpoint.resume={member['resume_from']}")
             code = command.run(run_dir, member["params"], -1, tuple(extra))
