@@ -63,7 +63,8 @@ class MoELayer(nn.Module):
         self.layer_id = layer_id
         self.num_experts = cfg.experts
         self.router = nn.Linear(dim, cfg.experts, bias=False)
-        self.router.lora_exempt = True  # read as a weight in fp32 (below), never called: an adapter would do nothing
+        # read as a weight in fp32 (below), never called: a LoRA or fake-quant wrapper around it would do nothing
+        self.router.forward_unused = True
         self.experts = GroupedExperts(cfg.experts, dim, hidden, layer=layer, layer_id=layer_id,
                                       timeout_s=cfg.exchange_timeout_s)
         self.shared = SharedExperts(dim, hidden * cfg.shared_experts) if cfg.shared_experts else None

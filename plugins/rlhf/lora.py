@@ -50,11 +50,11 @@ def output_head(model: nn.Module) -> nn.Module | None:
 def lora_layers(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:
     """The plain ``nn.Linear`` layers of ``model`` that ``targets`` selects, by attribute name (``wq``,
     ``q_proj``) or, with ``"all-linear"``, all of them except the output head (as PEFT) and layers marked
-    ``lora_exempt`` (a module that reads its weight without calling the layer, as the MoE router does)."""
+    ``forward_unused`` (their owner reads the weight without calling the layer, as the MoE router's does)."""
     head = output_head(model) if ALL_LINEAR in targets else None
     return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear
             and (name.rsplit(".", 1)[-1] in targets or (ALL_LINEAR in targets and module is not head
-                                                         and not getattr(module, "lora_exempt", False)))]
+                                                         and not getattr(module, "forward_unused", False)))]
 
 
 def no_match_error(model: nn.Module, targets: list[str], name: str) -> ConfigError:

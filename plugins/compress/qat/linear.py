@@ -43,11 +43,13 @@ class FakeQuantLinear(nn.Linear):
 
 
 def quantizable(model: nn.Module) -> dict[str, nn.Linear]:
-    """The layers :func:`quantize_linears` converts: plain ``nn.Linear`` s, not a router, not sharing their
-    weight with an embedding (a tied output head stays as trained)."""
+    """The layers :func:`quantize_linears` converts: plain ``nn.Linear`` s, not a router, not one whose owner
+    reads its weight without calling it (``forward_unused``), not sharing their weight with an embedding (a tied
+    output head stays as trained)."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return {name: m for name, m in model.named_modules()
-            if type(m) is nn.Linear and name.rsplit(".", 1)[-1] not in SKIPPED and id(m.weight) not in embedded}
+            if type(m) is nn.Linear and name.rsplit(".", 1)[-1] not in SKIPPED and id(m.weight) not in embedded
+            and not getattr(m, "forward_unused", False)}
 
 
 def check_layers(layers: dict[str, nn.Linear], scheme: Scheme, what: str) -> None:
