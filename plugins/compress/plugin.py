@@ -1,6 +1,6 @@
 """The compress plugin's hooks (thin: the work is in :mod:`crosstrain.plugins.compress.distill` and
 :mod:`crosstrain.plugins.compress.qat`): the ``distill`` recipe, its ``[distill]`` section, ``crosstrain distill
-cache``, the report panels of its metrics; the ``[quant]`` section, the QAT model transform and its refusal rules."""
+cache``, the report panels of its metrics; the ``[quant]`` section and the QAT model transform."""
 
 from __future__ import annotations
 
@@ -46,13 +46,6 @@ def crosstrain_transform_model(model: Any, config: Any, name: str, trainable: bo
     from crosstrain.plugins.compress.qat.transform import transform
 
     return transform(model, config, name, trainable)
-
-
-@hookimpl
-def crosstrain_refusal_rules() -> list[Any]:
-    from crosstrain.plugins.compress.qat.rules import RULES
-
-    return list(RULES)
 
 
 @hookimpl

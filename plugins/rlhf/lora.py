@@ -31,9 +31,12 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        if self.lora_enabled:
-            out = out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.lora_scaling
-        return out
+        return out + self.adapter_output(x) if self.lora_enabled else out
+
+    def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The low-rank update ``(alpha / r) * dropout(x) A^T B^T`` of input ``x``. A layer that computes its base
+        output otherwise (fake-quantised, for QAT) adds this term to it while ``lora_enabled``."""
+        return F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.lora_scaling
 
 
 #: the ``lora.targets`` entry that selects every linear layer but the output head (PEFT's ``"all-linear"``)

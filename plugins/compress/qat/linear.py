@@ -1,5 +1,9 @@
 """Fake-quantised linear layers: every ``nn.Linear`` of a model becomes a :class:`FakeQuantLinear` in place.
 
+A layer with a LoRA adapter (one defining ``adapter_output(x)`` and ``lora_enabled``) keeps it: its base path is
+fake-quantised and the adapter's low-rank update, computed from the unquantised input, is added in floating point
+(torchtune's QAT + LoRA recipe); merged and quantised on export.
+
 The swap keeps the class's parameter names (``wq.weight``), so checkpoints, FSDP2 sharding plans and export keep
 their layout; under FSDP2 the forward sees the all-gathered weight, so quantisation groups never straddle shards.
 """
@@ -7,6 +11,7 @@ their layout; under FSDP2 the forward sees the all-gathered weight, so quantisat
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -32,24 +37,36 @@ class FakeQuantLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.qat_enabled:
-            return F.linear(x, self.weight, self.bias)
+            return super().forward(x)  # nn.Linear's, or a LoRA layer's with its adapter
         s = self.qat_scheme
-        if s.act_bits:
-            x = fake_quant_per_token(x, s.act_bits)
         w = self.weight
         if not self.qat_weight_ready:
             w = fake_quant_weight(w, s.weight_bits, s.weight_group(self.in_features))
-        return F.linear(x, w, self.bias)
+        out = F.linear(fake_quant_per_token(x, s.act_bits) if s.act_bits else x, w, self.bias)
+        if getattr(self, "lora_enabled", False):  # a LoRA-adapted layer (see the module docstring)
+            out = out + self.adapter_output(x)  # type: ignore[attr-defined]
+        return out
 
 
 def quantizable(model: nn.Module) -> dict[str, nn.Linear]:
-    """The layers :func:`quantize_linears` converts: plain ``nn.Linear`` s, not a router, not one whose owner
-    reads its weight without calling it (``forward_unused``), not sharing their weight with an embedding (a tied
-    output head stays as trained)."""
+    """The layers :func:`quantize_linears` converts: plain ``nn.Linear`` s and LoRA-adapted ones, not a router,
+    not one whose owner reads its weight without calling it (``forward_unused``), not sharing their weight with an
+    embedding (a tied output head stays as trained)."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return {name: m for name, m in model.named_modules()
-            if type(m) is nn.Linear and name.rsplit(".", 1)[-1] not in SKIPPED and id(m.weight) not in embedded
-            and not getattr(m, "forward_unused", False)}
+            if (type(m) is nn.Linear or _adapted(m)) and name.rsplit(".", 1)[-1] not in SKIPPED
+            and id(m.weight) not in embedded and not getattr(m, "forward_unused", False)}
+
+
+def _adapted(m: nn.Module) -> bool:
+    """A LoRA-adapted linear layer (see the module docstring) not fake-quantised yet."""
+    return isinstance(m, nn.Linear) and hasattr(m, "adapter_output") and not isinstance(m, FakeQuantLinear)
+
+
+@functools.cache
+def _fake_quant_class(cls: type[nn.Linear]) -> type[FakeQuantLinear]:
+    """:class:`FakeQuantLinear` for a plain Linear; for a LoRA layer's class, one that is both (its forward first)."""
+    return FakeQuantLinear if cls is nn.Linear else type(f"FakeQuant{cls.__name__}", (FakeQuantLinear, cls), {})
 
 
 def check_layers(layers: dict[str, nn.Linear], scheme: Scheme, what: str) -> None:
@@ -70,7 +87,7 @@ def quantize_linears(model: nn.Module, scheme: Scheme, what: str = "the model") 
     layers = quantizable(model)
     check_layers(layers, scheme, what)
     for m in layers.values():
-        m.__class__ = FakeQuantLinear
+        m.__class__ = _fake_quant_class(type(m))
         m.qat_scheme = scheme  # type: ignore[attr-defined]
         m.qat_enabled = True  # type: ignore[attr-defined]
         m.qat_weight_ready = False  # type: ignore[attr-defined]
