@@ -192,3 +192,27 @@ def test_onnx_export_from_hf_folder_keeps_qkv_biases(hf_dirs: dict[str, Path], t
     out = tmp_path / "m.onnx"
     assert main(["export", str(hf_dirs["qwen2"]), "--format", "onnx", "--out", str(out), "--json"]) == 0
     assert out.is_file()
+
+
+def test_dropout_the_native_model_does_not_apply_is_one_warning(tmp_path: Path) -> None:
+    """A config.json asking for dropout: training natively says in one warning line that it is not applied (and how
+    to train with it); the generic path (transformers' own modules, which apply it) says nothing."""
+    save_hf("llama", tmp_path / "dropout", attention_dropout=0.1)
+    base = ["train", "--set", f"model.init_from={tmp_path / 'dropout'}", "--set", "train.steps=1", "--set",
+            "train.batch_size=2", "--set", "train.seq_len=16", "--set", "eval.every=0", "--set",
+            "logging.progress=none", "--set", "checkpoint.final=false"]
+    import warnings
+
+    from crosstrain.errors import CrosstrainWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([*base, "--run-dir", str(tmp_path / "native")]) == 0
+    warned = [str(w.message) for w in caught
+              if issubclass(w.category, CrosstrainWarning) and "dropout" in str(w.message)]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert "attention_dropout=0.1 not applied" in warned[0] and "model.source=transformers" in warned[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([*base, "--set", "model.source=transformers", "--run-dir", str(tmp_path / "generic")]) == 0
+    assert not [w for w in caught if "dropout" in str(w.message)]

@@ -45,9 +45,26 @@ def build_model(config: Config) -> nn.Module:
 
         if source_kind(config.model.init_from, what="model.init_from") == "hf":
             load_hf_weights(model, config.model.init_from)
+            _warn_ignored_dropout(config.model.init_from)
         else:
             load_crosstrain_weights(model, config.model.init_from)
     return model
+
+
+def _warn_ignored_dropout(folder: str) -> None:
+    """One warning (rank 0) when the imported config.json asks for dropout the native model does not apply."""
+    import os
+    import warnings
+
+    from crosstrain.errors import CrosstrainWarning
+    from crosstrain.models.hf import read_hf_config
+    from crosstrain.models.hf.config import ignored_dropout
+
+    dropped = ignored_dropout(read_hf_config(folder))
+    if dropped and os.environ.get("RANK", "0") == "0":
+        fields = ", ".join(f"{k}={v:g}" for k, v in sorted(dropped.items()))
+        warnings.warn(f"model.init_from {folder}: {fields} not applied (crosstrain's native models train without "
+                      "dropout); set model.source=transformers to train with it", CrosstrainWarning, stacklevel=2)
 
 
 def crosstrain_weights(path: str, *, what: str = "model.init_from") -> tuple[dict[str, torch.Tensor], str]:

@@ -118,6 +118,14 @@ def _nope_layers(cfg: dict[str, Any], n_layers: int) -> tuple[int, ...]:
     return tuple(i for i, flag in enumerate(flags) if not flag)
 
 
+def ignored_dropout(cfg: dict[str, Any]) -> dict[str, float]:
+    """The non-zero dropout probabilities of a ``config.json`` (``attention_dropout``, ``hidden_dropout``,
+    ``resid_pdrop``, ...): the native GPT has no dropout, so training from it does not apply them."""
+    return {k: float(v) for k, v in cfg.items()
+            if ("dropout" in k or k.endswith("_pdrop")) and isinstance(v, int | float) and not isinstance(v, bool)
+            and float(v) > 0}
+
+
 def gpt_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTConfig:
     """The GPTConfig of a ``config.json`` of a family in :data:`ARCHITECTURES`; unsupported options are a one-line
     ConfigError naming the field."""
