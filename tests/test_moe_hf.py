@@ -38,6 +38,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+WINDOW = 8
+WINDOWED = ("mixtral_window", "qwen3_moe_window")
+
+
 def save_hf(family: str, folder: Path, **extra: Any) -> torch.nn.Module:
     """A random tiny HF model of ``family`` saved sharded to ``folder`` (norms off 1, routers that route)."""
     cfg_name, model_name, moe = FAMILIES[family]
@@ -63,6 +67,11 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         save_hf(family, dirs[family])
     dirs["mixtral_top1"] = root / "mixtral_top1"  # Mixtral renormalises even one weight (to 1)
     save_hf("mixtral", dirs["mixtral_top1"], num_experts_per_tok=1)
+    # windows of 8 tokens on every layer (transformers' Qwen3-MoE ignores max_window_layers)
+    dirs["mixtral_window"] = root / "mixtral_window"
+    save_hf("mixtral", dirs["mixtral_window"], sliding_window=WINDOW)
+    dirs["qwen3_moe_window"] = root / "qwen3_moe_window"
+    save_hf("qwen3_moe", dirs["qwen3_moe_window"], use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)
     return dirs
 
 
@@ -115,7 +124,7 @@ def test_logits_and_greedy_tokens_match_transformers(
 
     prompt = torch.randint(0, SHAPE["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(1))
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 23), generator=torch.Generator().manual_seed(0))
-    for family in [*FAMILIES, "mixtral_top1"]:
+    for family in [*FAMILIES, "mixtral_top1", *WINDOWED]:
         folder = hf_dirs[family]
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         config = load_config(None, [f"model.init_from={folder}"])
@@ -146,7 +155,7 @@ def test_round_trip_hf_crosstrain_hf_is_bit_exact(hf_dirs: dict[str, Path], tmp_
 
     from crosstrain.models.hf import iter_tensors, load_pretrained
 
-    for family in FAMILIES:
+    for family in [*FAMILIES, *WINDOWED]:
         out = tmp_path / family
         assert main(["export", str(hf_dirs[family]), "--format", "hf", "--out", str(out),
                      "--max-shard-size", "100KB"]) == 0
@@ -159,7 +168,7 @@ def test_round_trip_hf_crosstrain_hf_is_bit_exact(hf_dirs: dict[str, Path], tmp_
         ours = json.loads((out / "config.json").read_text())
         for key in ("model_type", "num_experts_per_tok", "router_aux_loss_coef", "num_local_experts", "num_experts",
                     "moe_intermediate_size", "intermediate_size", "norm_topk_prob", "mlp_only_layers",
-                    "decoder_sparse_step", "head_dim", "architectures"):
+                    "decoder_sparse_step", "head_dim", "architectures", "sliding_window", "use_sliding_window"):
             if theirs.get(key) is not None:  # Mixtral's head_dim null: ours names hidden / heads
                 assert ours.get(key) == theirs[key], (family, key)
         ids = torch.arange(12).view(1, 12)
@@ -232,7 +241,6 @@ def test_refusals_are_one_line(hf_dirs: dict[str, Path], tmp_path: Path, capsys:
     with pytest.raises(ConfigError, match="expert_bias is not zero"):
         ADAPTERS["mixtral"].to_hf_tensors({"layers.0.feed_forward.expert_bias": torch.tensor([0.0, 0.1])})
     for changes, words in (({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
-                           ({"sliding_window": 16}, "sliding_window=16"),
                            ({"hidden_act": "gelu"}, "hidden_act='gelu'")):
         folder = tmp_path / "m"
         shutil.rmtree(folder, ignore_errors=True)

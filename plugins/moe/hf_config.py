@@ -6,7 +6,8 @@ Field meanings: transformers 5.24 ``MixtralConfig`` (``num_local_experts``, ``nu
 ``Qwen3MoeConfig`` (``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step``,
 ``mlp_only_layers``; dense blocks keep ``intermediate_size``). The attention is Mistral's (Mixtral) or Qwen3's
 (Qwen3-MoE), read by the GPT family's own reader, so whatever it refuses (e.g. a rope type it lacks) is refused here
-with the same one-line error; a sliding window is refused here until it is tested with MoE layers.
+with the same one-line error. Sliding windows: Mixtral's on every layer (as Mistral's), Qwen3-MoE's on every layer
+when ``use_sliding_window`` (transformers' Qwen3-MoE reads no ``layer_types``).
 """
 
 from __future__ import annotations
@@ -49,10 +50,6 @@ def moe_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported; crosstrain's experts are "
                           "SwiGLU (silu)")
-    window = hf.get("sliding_window") if model_type == "mixtral" or hf.get("use_sliding_window") else None
-    if window is not None and int(window) < int(hf.get("max_position_embeddings") or 0):
-        raise ConfigError(f"{where}: sliding_window={window} is not supported for {model_type} yet (the dense "
-                          "families' windows are not tested with MoE layers); use sliding_window null")
     out: dict[str, Any] = {"capacity_factor": 0.0, "z_loss_coeff": 0.0, "router": "softmax", "aux_loss": "pooled",
                            "aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)), "shared_experts": 0}
     out["top_k"] = _int(hf, "num_experts_per_tok", where=where)
@@ -84,7 +81,18 @@ def gpt_config(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
     if dense not in ARCHITECTURES:
         raise ConfigError(f"{where}: model_type={hf['model_type']!r} needs {dense}'s attention, which this "
                           f"crosstrain's GPT does not implement yet; use a mixtral checkpoint")
-    return gpt_config_from_hf({**hf, "model_type": dense}, where)
+    return gpt_config_from_hf(dense_config(hf), where)
+
+
+def dense_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """An MoE ``config.json`` read as its dense family's: the same fields under the dense model_type, with
+    Qwen3-MoE's windows on every layer (transformers' Qwen3-MoE reads no ``layer_types`` or ``max_window_layers``,
+    unlike Qwen3)."""
+    dense, _ = MOE_TYPES[str(hf["model_type"])]
+    out = {**hf, "model_type": dense}
+    if hf["model_type"] == "qwen3_moe" and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        out["layer_types"] = ["sliding_attention"] * int(hf.get("num_hidden_layers") or 0)
+    return out
 
 
 def hf_config(cfg: GPTConfig, sec: Any, *, model_type: str, base: dict[str, Any] | None, dtype: str,
@@ -95,7 +103,7 @@ def hf_config(cfg: GPTConfig, sec: Any, *, model_type: str, base: dict[str, Any]
 
     dense, arch = MOE_TYPES[model_type]
     same = base is not None and base.get("model_type") == model_type
-    out = hf_config_from_gpt(cfg, base={**base, "model_type": dense} if same and base else None, dtype=dtype,
+    out = hf_config_from_gpt(cfg, base=dense_config(base) if same and base else None, dtype=dtype,
                              eos_id=eos_id)
     out.update({"architectures": [arch], "model_type": model_type, "num_experts_per_tok": sec.top_k,
                 "router_aux_loss_coef": sec.aux_loss_coeff, "output_router_logits": False})
