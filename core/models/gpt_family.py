@@ -156,6 +156,6 @@ GPT_FAMILY = ModelFamily(
     refuses=("rope types other than default/llama3/linear/dynamic/yarn/longrope",
              "dynamic/longrope rope beyond the original context", "partial_rotary_factor outside phi3",
              "hidden_act other than silu (gelu-tanh for Gemma)", "Gemma's use_bidirectional_attention",
-             "sliding windows on the MoE families", "pickle-only weights (.bin/.pth)",
+             "pickle-only weights (.bin/.pth)",
              "parallel.pp > 1 with tied embeddings"),
 )
