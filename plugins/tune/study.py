@@ -9,6 +9,7 @@ concurrent tuners sharing ``--out``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -40,10 +41,17 @@ def open_storage(url: str) -> Any:
 
         return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
     kwargs: dict[str, Any] = {}
+    lock = contextlib.nullcontext()
     if url.startswith("sqlite"):
         kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
+        path = url.split(":///", 1)[-1]
+        if path and path != ":memory:":
+            # two tuners opening a new database at once would both create its tables ("table studies already
+            # exists"): the first to hold the lock creates them, the others find them
+            lock = _file_lock(Path(path).with_name(Path(path).name + ".lock"))
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        with lock:
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     except Exception as exc:  # a URL SQLAlchemy cannot open: a missing driver, a bad host
         raise ConfigError(f"--storage {url!r} cannot be opened ({type(exc).__name__}: {exc}); pass a "
                           "sqlite:///PATH, postgresql://..., mysql://... or journal:PATH URL") from None
@@ -103,7 +111,14 @@ def load_study(name: str, storage: Any, settings: SearchSettings, params: list[P
 def study_lock(out: Path, name: str) -> Iterator[None]:
     """Held while a worker counts the trials and asks or claims one (all tuners sharing ``--out``)."""
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    with _file_lock(out / f".{name}.lock"):
+        yield
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the block."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
