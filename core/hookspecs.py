@@ -31,6 +31,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
 
     import torch
 
@@ -111,6 +113,14 @@ def crosstrain_after_optimizer_step(context: RunContext, step: int) -> None:
 def crosstrain_on_step_end(context: RunContext, step: int, metrics: dict[str, float]) -> None:
     """Called on every rank after each step with that step's metrics (may add keys to it); a raising plugin
     is reported and skipped."""
+
+
+@hookspec
+def crosstrain_eval_variants(config: Any) -> dict[str, Callable[[torch.nn.Module], AbstractContextManager[Any]]]:
+    """Other ways to evaluate the models, each run after the plain evaluation and reported beside it as
+    ``eval/<name>/<metric>``: ``{name: enter}``, where ``enter(module)`` returns a context manager the evaluation
+    runs inside, entered for every model of the run (QAT's ``fp``: fake quantisation off). Return ``{}`` when the
+    config asks for none; a raising plugin stops the run."""
 
 
 @hookspec

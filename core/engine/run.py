@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from crosstrain import registry
+from crosstrain import pluginmanager, registry
 from crosstrain.config import Config, check_world
 from crosstrain.data import DistributedBatchSampler
 from crosstrain.distenv import DistEnv
@@ -111,20 +111,27 @@ class Run:
         return DTYPES[self.config.precision.dtype]
 
     def evaluate(self) -> dict[str, float]:
-        """Evaluate the models on the recipe's held-out samples now (every rank; see crosstrain.engine.evaluate)."""
+        """Evaluate the models on the recipe's held-out samples now (every rank; see crosstrain.engine.evaluate),
+        then once more inside each plugin's eval variant (``crosstrain_eval_variants``: ``eval/<name>/<metric>``)."""
         assert self.eval is not None
         e = self.eval
-        return evaluate(
-            self.recipe,
-            self.models,
-            self.primary,
-            e.dataset,
-            batch_size=e.batch_size,
-            steps=e.steps,
-            dp_rank=e.dp_rank,
-            dp_size=e.dp_size,
-            device=self.device,
-        )
+
+        def run() -> dict[str, float]:
+            return evaluate(self.recipe, self.models, self.primary, e.dataset, batch_size=e.batch_size,
+                            steps=e.steps, dp_rank=e.dp_rank, dp_size=e.dp_size, device=self.device)
+
+        results = run()
+        for _, variants in pluginmanager.call_strict("crosstrain_eval_variants", "name its eval variants",
+                                                     config=self.config):
+            for name, enter in (variants or {}).items():
+                with contextlib.ExitStack() as stack:
+                    for m in self.models.values():
+                        stack.enter_context(enter(m.module))
+                    extra = run()
+                results.update({f"eval/{name}/{k[len('eval/'):]}": v for k, v in extra.items()
+                                if k.startswith("eval/")})
+                results["time_eval_s"] = results.get("time_eval_s", 0.0) + extra.get("time_eval_s", 0.0)
+        return results
 
     def close(self) -> None:
         """Restore the thread count and kernel mode and leave the process group this run created."""

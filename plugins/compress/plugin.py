@@ -49,6 +49,16 @@ def crosstrain_transform_model(model: Any, config: Any, name: str, trainable: bo
 
 
 @hookimpl
+def crosstrain_eval_variants(config: Any) -> dict[str, Any]:
+    """Under ``quant.qat``: each evaluation also in floating point (``eval/fp/loss``), the cost of quantisation."""
+    if config.section("quant").qat == "none":
+        return {}
+    from crosstrain.plugins.compress.qat.linear import fake_quant_disabled
+
+    return {"fp": fake_quant_disabled}
+
+
+@hookimpl
 def crosstrain_report_panels() -> list[Any]:
     """The student's and the teacher's held-out NLL side by side, and the divergence, on ``crosstrain report``."""
     from crosstrain.plugins.observability.panels import Panel
