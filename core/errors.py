@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of ``exc``'s message (its type's name when empty), cut to ``limit`` characters with "..."."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return first[:limit] + "..." if len(first) > limit else first
+
+
 class CrosstrainError(Exception):
     """Base class for errors crosstrain raises on purpose."""
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from crosstrain import __version__
-from crosstrain.errors import CrosstrainError
+from crosstrain.errors import CrosstrainError, first_line
 from crosstrain.fault.peer_loss import EXIT_PEER_LOST, is_peer_loss
 
 #: core subcommand modules under ``crosstrain.cli.commands``; each defines ``add_parser(subparsers)``.
@@ -75,8 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         if not is_peer_loss(exc):
             raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        print(f"crosstrain: error: lost another rank ({first}); its own output above shows why it stopped",
+        print(f"crosstrain: error: lost another rank ({first_line(exc)}); its own output above shows why it stopped",
               file=sys.stderr)
         return EXIT_PEER_LOST
     except KeyboardInterrupt:

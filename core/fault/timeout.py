@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from crosstrain.errors import CollectiveError
+from crosstrain.errors import CollectiveError, first_line
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,9 +28,7 @@ def _error(op: str, rank: int, timeout: float | datetime.timedelta | None, start
            exc: BaseException) -> CollectiveError:
     elapsed = time.monotonic() - start
     limit = _seconds(timeout)
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    if len(first) > 200:
-        first = first[:200] + "..."
+    first = first_line(exc)
     peer = any(w in first.lower() for w in ("timed out", "timeout", "connection", "closed", "reset", "peer"))
     return CollectiveError(
         f"collective {op} on rank {rank} failed after {elapsed:.1f}s"
