@@ -250,3 +250,20 @@ def test_best_follows_the_best_pointer(served: dict[str, Any], tmp_path: Path) -
     assert swapped is not None and manager.current is swapped and swapped.step == 4 and swapped.gate.passed
     (ckpts / "best").write_text("step_6")  # byte-flipped: find_best does not verify it, nothing to swap to
     assert manager.poll() is None and manager.current.step == 4
+
+
+def test_requests_stopped_at_their_first_token_free_their_rows(served: dict[str, Any]) -> None:
+    """Issue 39: a stop string matching the first generated token ends the job right after prefill; its batch row
+    must be freed, or after max_batch (8) such requests nothing is admitted again. 20 of them, then a normal one
+    that must still get its unchanged text."""
+    url = served["url"]
+    text = _complete(url, "The quick brown fox", 10)["choices"][0]["text"]
+    first = text[0]
+    for _ in range(20):
+        cut = httpx.post(f"{url}/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 10,
+                                                        "temperature": 0, "stop": [first]}, timeout=30)
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["choices"][0]["text"] == "" and cut.json()["choices"][0]["finish_reason"] == "stop"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 10,
+                                                  "temperature": 0}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text

@@ -107,7 +107,8 @@ class Scheduler:
             job.started(version)
             if job.feed(seq):
                 jobs.append(job)
-            else:
+            else:  # done at prefill (a stop string on the first token): its row must be freed like any other
+                version.batch.drop(seq)
                 job.finish(seq)
         self.metrics.queue_depth.set(self._inbox.qsize() + len(self._waiting))
 
