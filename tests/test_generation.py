@@ -212,3 +212,13 @@ def test_export_torch_engine_decodes_like_the_core_engine() -> None:
     sampled = export_generate(TorchEngine(model), prompt, 16, Sampling(temperature=1.0, seed=11))[0]
     assert sampled == export_generate(TorchEngine(model), prompt, 16, Sampling(temperature=1.0, seed=11))[0]
     assert sampled != export_generate(TorchEngine(model), prompt, 16)[0]
+
+
+def test_a_temperature_below_the_floor_is_greedy_instead_of_overflowing() -> None:
+    """Issue 39: ``temperature=2e-38`` made ``logits / temperature`` inf and torch.multinomial raise mid-decode."""
+    from crosstrain.generation.sampling import MIN_TEMPERATURE, next_tokens
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 10
+    for temperature in (2e-38, MIN_TEMPERATURE / 2):
+        drawn = next_tokens(logits, greedy=False, temperature=temperature, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(drawn, logits.argmax(-1))

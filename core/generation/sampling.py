@@ -41,13 +41,18 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
+#: below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): ``logits / 2e-38`` overflows to inf and the
+#: softmax to NaN, which ``torch.multinomial`` refuses mid-decode
+MIN_TEMPERATURE = 1e-5
+
+
 def next_tokens(logits: torch.Tensor, *, greedy: bool, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, generator: torch.Generator | None = None,
                 uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits [B, vocab]``: the argmax, or a draw from the filtered softmax: by
     :func:`inverse_cdf` of the per-row ``uniform [B]`` noise when given, else ``torch.multinomial`` with
-    ``generator`` (which must live on the logits' device)."""
-    if greedy:
+    ``generator`` (which must live on the logits' device). A temperature under :data:`MIN_TEMPERATURE` is greedy."""
+    if greedy or temperature < MIN_TEMPERATURE:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
     if uniform is not None:
