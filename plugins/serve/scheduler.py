@@ -107,24 +107,28 @@ class Scheduler:
             job.started(version)
             if job.feed(seq):
                 jobs.append(job)
-            else:  # done at prefill (a stop string on the first token): its row must be freed like any other
-                version.batch.drop(seq)
-                job.finish(seq)
+            else:  # done at prefill (a stop string on the first token)
+                self._release(version, job, seq)
         self.metrics.queue_depth.set(self._inbox.qsize() + len(self._waiting))
+
+    @staticmethod
+    def _release(version: Version, job: Job, seq: Sequence) -> None:
+        """The one way a sequence leaves a batch (done at prefill, stopped, out of tokens, cancelled): its row is
+        freed, then its job ends."""
+        version.batch.drop(seq)
+        job.finish(seq)
 
     def _step(self) -> None:
         for number, (version, jobs) in list(self._running.items()):
             for job in [j for j in jobs if j.cancelled]:
-                version.batch.drop(job.seq)
-                job.finish(job.seq)
+                self._release(version, job, job.seq)
                 jobs.remove(job)
             if jobs:
                 self.metrics.batch_size.observe(len(jobs))
                 version.batch.step()
                 for job in list(jobs):
                     if not job.feed(job.seq):
-                        version.batch.drop(job.seq)
-                        job.finish(job.seq)
+                        self._release(version, job, job.seq)
                         jobs.remove(job)
             if not jobs and version is not self.manager.current:
                 del self._running[number]  # an old version with nothing in flight: let it go
