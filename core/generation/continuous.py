@@ -20,6 +20,7 @@ from torch import nn
 from crosstrain.errors import ConfigError
 from crosstrain.generation.config import GenerationConfig
 from crosstrain.generation.engine import _check
+from crosstrain.generation.logprobs import Alternatives, prompt_logprobs, top_alternatives
 from crosstrain.generation.sampling import next_tokens, token_logprobs
 from crosstrain.generation.sharded import model_device, unwrap
 from crosstrain.generation.slots import SlotKVCache
@@ -28,7 +29,11 @@ from crosstrain.generation.slots import SlotKVCache
 @dataclass(eq=False)
 class Sequence:
     """One prompt being continued. ``tokens``/``logprobs`` grow by one per step; ``done`` once it emitted a stop
-    token or ``config.max_new_tokens`` tokens. ``tag`` is the caller's (a request handle)."""
+    token or ``config.max_new_tokens`` tokens. ``tag`` is the caller's (a request handle).
+
+    ``alternatives`` k (not None): ``top`` also grows by each token's k most likely alternatives. ``score_prompt``:
+    the prefill also fills ``prompt_logprobs`` (and ``prompt_top``, k alternatives) for the prompt's tokens, even
+    when no token is asked (``max_new_tokens`` 0): OpenAI's ``echo`` with ``logprobs``."""
 
     prompt: list[int]
     config: GenerationConfig
@@ -38,6 +43,11 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
     row: int = -1  # its row in the slot cache while live
+    alternatives: int | None = None
+    score_prompt: bool = False
+    top: list[Alternatives] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top: list[Alternatives] = field(default_factory=list)
 
     @property
     def stopped(self) -> bool:
@@ -83,15 +93,19 @@ class ContinuousBatch:
         """Prefill ``seq.prompt`` alone and pick its first token; it joins the batch unless already done (one token
         asked, or a stop token first). Raises a one-line ConfigError when it cannot fit."""
         _check(self.model, [seq.prompt], seq.config)
-        if not admit(seq, self.max_len):
+        decodes = admit(seq, self.max_len)
+        if not decodes and not seq.score_prompt:
             return seq
-        if not self.free:
+        if decodes and not self.free:
             raise ValueError("no free slot; wait for a sequence to finish (check .free first)")
         ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
         prefill = self.model.allocate_kv_cache(1, len(seq.prompt), None, self.device)
         positions = torch.arange(len(seq.prompt), device=self.device).unsqueeze(0)
-        logits = self.model.forward_cached(ids, positions, prefill, None)[:, -1]
-        append_next([seq], logits)
+        logits = self.model.forward_cached(ids, positions, prefill, None)
+        score_prompt(seq, logits[0])
+        if not decodes:
+            return seq
+        append_next([seq], logits[:, -1])
         if not seq.done:
             seq.row = self.cache.admit(prefill)
             self.live.append(seq)
@@ -124,6 +138,12 @@ class ContinuousBatch:
         seq.done = True
 
 
+def score_prompt(seq: Sequence, logits: torch.Tensor) -> None:
+    """Fill ``seq.prompt_logprobs``/``prompt_top`` from its prefill's ``logits [len(prompt), vocab]`` when asked."""
+    if seq.score_prompt:
+        seq.prompt_logprobs, seq.prompt_top = prompt_logprobs(logits, seq.prompt, seq.alternatives or 0)
+
+
 def append_next(seqs: list[Sequence], logits: torch.Tensor) -> None:
     """Pick the next token of each sequence from its row of ``logits [len(seqs), vocab]`` (greedy rows in one
     argmax; sampled rows one by one under their own settings and generator) and append it with its log-prob (of
@@ -135,7 +155,9 @@ def append_next(seqs: list[Sequence], logits: torch.Tensor) -> None:
             chosen[i] = next_tokens(logits[i:i + 1], greedy=False, temperature=cfg.temperature, top_k=cfg.top_k,
                                     top_p=cfg.top_p, generator=seq.generator)[0]
     logprobs = token_logprobs(logits.float(), chosen).tolist()
-    for seq, token, logprob in zip(seqs, chosen.tolist(), logprobs, strict=True):
+    for i, (seq, token, logprob) in enumerate(zip(seqs, chosen.tolist(), logprobs, strict=True)):
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
+        if seq.alternatives is not None:
+            seq.top.append(top_alternatives(logits[i:i + 1], seq.alternatives)[0])
         seq.done = token in seq.config.stop_tokens or len(seq.tokens) >= seq.config.max_new_tokens

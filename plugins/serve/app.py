@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from crosstrain.plugins.serve import replies
+from crosstrain.plugins.serve.logprobs import chat_logprobs
 from crosstrain.plugins.serve.manager import ModelManager
 from crosstrain.plugins.serve.metrics import ServeMetrics
 from crosstrain.plugins.serve.protocol import DEFAULT_MAX_TOKENS, APIError, ChatBody, CompletionBody, Sampling, parse
@@ -76,7 +77,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse(await request.body(), CompletionBody)
+        body = parse(await request.body(), CompletionBody, "/v1/completions")
         _check_model(served, body)
         prompts = _prompts(served, body.prompt)
         if body.stream and len(prompts) > 1:
@@ -84,16 +85,16 @@ def create_app(served: Served) -> FastAPI:
         jobs = [_job(served, body, p, body.stops(), DEFAULT_MAX_TOKENS) for p in prompts]
         if body.stream:
             return replies.stream(served, jobs[0], body, "text_completion")
-        return JSONResponse(replies.completion_body(served, jobs, await replies.gather(served, jobs)))
+        return JSONResponse(replies.completion_body(served, jobs, await replies.gather(served, jobs), body))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         from crosstrain.plugins.rlhf.data import GENERATION_PROMPT, RowError, render_messages
 
-        body = parse(await request.body(), ChatBody)
+        body = parse(await request.body(), ChatBody, "/v1/chat/completions")
         _check_model(served, body)
         try:
-            text = render_messages([m.model_dump() for m in body.messages]) + GENERATION_PROMPT
+            text = render_messages([{"role": m.role, "content": m.text()} for m in body.messages]) + GENERATION_PROMPT
         except RowError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         prompt = _prompts(served, text)[0]
@@ -101,7 +102,8 @@ def create_app(served: Served) -> FastAPI:
         if body.stream:
             return replies.stream(served, job, body, "chat.completion.chunk")
         (text_out, finish, n), = await replies.gather(served, [job])
-        choice = {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text_out}}
+        choice = {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text_out},
+                  "logprobs": chat_logprobs(job) if body.logprobs else None}
         return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                              "created": int(time.time()), "model": served.name, "choices": [choice],
                              "usage": replies.usage(len(prompt), n),
@@ -154,4 +156,5 @@ def _job(served: Served, body: Sampling, prompt: list[int], stops: tuple[str, ..
     else:
         generator.manual_seed(body.seed)
     return Job(prompt, body.generation(max_tokens, () if eos is None else (int(eos),)), generator, stops,
-               version.codec.decode, asyncio.get_running_loop())
+               version.codec.decode, asyncio.get_running_loop(), alternatives=body.alternatives(),
+               score_prompt=body.score_prompt())

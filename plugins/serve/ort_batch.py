@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crosstrain.generation.continuous import Sequence, admit, append_next
+from crosstrain.generation.continuous import Sequence, admit, append_next, score_prompt
 
 
 class OrtBatch:
@@ -28,15 +28,22 @@ class OrtBatch:
         return self.slots - len(self.live)
 
     def _forward(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+        """``[1, len(ids), vocab]`` logits; the sequence's cache grows by ``ids``."""
         logits, past = self.engine.forward(np.asarray([ids], dtype=np.int64), self._past[id(seq)])
         self._past[id(seq)] = past
-        return torch.from_numpy(np.ascontiguousarray(logits[:, -1]))
+        return torch.from_numpy(np.ascontiguousarray(logits))
 
     def add(self, seq: Sequence) -> Sequence:
-        if not admit(seq, self.max_len):
+        decodes = admit(seq, self.max_len)
+        if not decodes and not seq.score_prompt:
             return seq
         self._past[id(seq)] = self.engine.empty_cache(1)
-        append_next([seq], self._forward(seq, seq.prompt))
+        logits = self._forward(seq, seq.prompt)
+        score_prompt(seq, logits[0])
+        if not decodes:
+            self._past.pop(id(seq), None)
+            return seq
+        append_next([seq], logits[:, -1])
         if seq.done:
             self._past.pop(id(seq), None)
         else:
@@ -46,7 +53,7 @@ class OrtBatch:
     def step(self) -> list[Sequence]:
         if not self.live:
             return []
-        logits = torch.cat([self._forward(s, [s.tokens[-1]]) for s in self.live])
+        logits = torch.cat([self._forward(s, [s.tokens[-1]])[:, -1] for s in self.live])
         append_next(self.live, logits)
         finished = [s for s in self.live if s.done]
         for seq in finished:

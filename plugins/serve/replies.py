@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import StreamingResponse
 
-from crosstrain.plugins.serve.protocol import APIError, Sampling
+from crosstrain.plugins.serve.logprobs import completion_logprobs
+from crosstrain.plugins.serve.protocol import APIError, CompletionBody, Sampling
 from crosstrain.plugins.serve.requests import Job
 
 if TYPE_CHECKING:
@@ -64,9 +65,12 @@ def fingerprint(job: Job) -> str | None:
     return f"{'step-' + str(v.step) if v.step is not None else 'v' + str(v.number)}-{(v.params_sha256 or '')[:12]}"
 
 
-def completion_body(served: Served, jobs: list[Job], results: list[tuple[str, str, int]]) -> dict[str, Any]:
-    choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
-               for i, (text, finish, _) in enumerate(results)]
+def completion_body(served: Served, jobs: list[Job], results: list[tuple[str, str, int]],
+                    body: CompletionBody) -> dict[str, Any]:
+    """``echo``: each text starts with its prompt; ``logprobs``: each choice's log-probs (logprobs.py)."""
+    choices = [{"index": i, "text": (job.decode(job.prompt) if body.echo else "") + text, "finish_reason": finish,
+                "logprobs": completion_logprobs(job, body.echo) if body.logprobs is not None else None}
+               for i, (job, (text, finish, _)) in enumerate(zip(jobs, results, strict=True))]
     totals = usage(sum(len(j.prompt) for j in jobs), sum(n for _, _, n in results))
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": served.name, "choices": choices, "usage": totals, "system_fingerprint": fingerprint(jobs[0])}

@@ -35,6 +35,8 @@ class Job:
     text: str = ""
     sent: str = ""
     finish_reason: str | None = None
+    alternatives: int | None = None  # log-probs asked: that many alternatives per token (Sequence.alternatives)
+    score_prompt: bool = False  # echo with log-probs: score the prompt's tokens too (Sequence.score_prompt)
 
     def _push(self, *event: Any) -> None:
         try:

@@ -95,7 +95,8 @@ class Scheduler:
             job = self._waiting.popleft()
             if job.cancelled:
                 continue
-            seq = Sequence(job.prompt, job.config, job.generator, tag=job)
+            seq = Sequence(job.prompt, job.config, job.generator, tag=job, alternatives=job.alternatives,
+                           score_prompt=job.score_prompt)
             try:
                 version.batch.add(seq)
             except CrosstrainError as exc:  # e.g. a prompt that no longer fits a swapped-in version's context

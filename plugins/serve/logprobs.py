@@ -1,0 +1,73 @@
+"""OpenAI's two log-prob shapes, from a finished job's :class:`~crosstrain.generation.Sequence`.
+
+- ``/v1/completions`` (legacy): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, one entry per
+  token; ``top_logprobs`` maps token text to log-prob for the ``logprobs`` most likely tokens plus the chosen one
+  (vLLM's rule: at most ``logprobs + 1`` entries). With ``echo`` the prompt's tokens come first; the first has
+  ``null`` log-prob and alternatives (nothing precedes it), the shape lm-evaluation-harness's ``local-completions``
+  reads for loglikelihood requests.
+- ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`` with exactly
+  ``top_logprobs`` alternatives.
+
+The tokens listed are the ones whose text the reply holds: a stop token is not part of the text, and a stop
+string cuts the list after the token that completes the text before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from crosstrain.generation.logprobs import Alternatives
+from crosstrain.plugins.serve.requests import Job
+
+
+def reply_tokens(job: Job) -> tuple[list[int], list[float], list[Alternatives]]:
+    """The generated tokens that make up ``job.text``, their log-probs and alternatives."""
+    seq = job.seq
+    if seq is None:
+        return [], [], []
+    tokens = list(seq.tokens)
+    n = len(tokens) - (1 if tokens and tokens[-1] in seq.config.stop_tokens else 0)
+    while n > 0 and len(job.decode(tokens[:n - 1])) >= len(job.text):  # a stop string cut the text shorter
+        n -= 1
+    return tokens[:n], seq.logprobs[:n], seq.top[:n]
+
+
+def completion_logprobs(job: Job, echo: bool) -> dict[str, Any]:
+    seq = job.seq
+    tokens, logprobs, tops = reply_tokens(job)
+    chosen: list[float | None] = list(logprobs)
+    alternatives: list[Alternatives | None] = list(tops)
+    if echo and seq is not None:
+        tokens = [*seq.prompt, *tokens]
+        chosen = [*seq.prompt_logprobs, *chosen]
+        alternatives = [None, *seq.prompt_top[1:], *alternatives]
+    texts = [job.decode([t]) for t in tokens]
+    top: list[dict[str, float] | None] = []
+    for token, logprob, alts in zip(tokens, chosen, alternatives, strict=True):
+        if alts is None or logprob is None:
+            top.append(None)
+            continue
+        entry = {job.decode([t]): v for t, v in alts}
+        entry.setdefault(job.decode([token]), logprob)
+        top.append(entry)
+    offsets, at = [], 0
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": texts, "token_logprobs": chosen, "top_logprobs": top, "text_offset": offsets}
+
+
+def _entry(decode: Callable[[list[int]], str], token: int, logprob: float) -> dict[str, Any]:
+    text = decode([token])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(job: Job) -> dict[str, Any]:
+    tokens, logprobs, tops = reply_tokens(job)
+    content = []
+    for token, logprob, alts in zip(tokens, logprobs, tops, strict=True):
+        entry = _entry(job.decode, token, logprob)
+        entry["top_logprobs"] = [_entry(job.decode, t, v) for t, v in alts]
+        content.append(entry)
+    return {"content": content}
