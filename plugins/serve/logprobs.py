@@ -2,9 +2,9 @@
 
 - ``/v1/completions`` (legacy): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, one entry per
   token; ``top_logprobs`` maps token text to log-prob for the ``logprobs`` most likely tokens plus the chosen one
-  (vLLM's rule: at most ``logprobs + 1`` entries). With ``echo`` the prompt's tokens come first; the first has
-  ``null`` log-prob and alternatives (nothing precedes it), the shape lm-evaluation-harness's ``local-completions``
-  reads for loglikelihood requests.
+  (vLLM's rule: at most ``logprobs + 1`` entries; tokens that share a text keep the likeliest). With ``echo``
+  the prompt's tokens come first; the first has ``null`` log-prob and alternatives (nothing precedes it), the
+  shape lm-evaluation-harness's ``local-completions`` reads for loglikelihood requests.
 - ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`` with exactly
   ``top_logprobs`` alternatives.
 
@@ -28,8 +28,9 @@ def reply_tokens(job: Job) -> tuple[list[int], list[float], list[Alternatives]]:
         return [], [], []
     tokens = list(seq.tokens)
     n = len(tokens) - (1 if tokens and tokens[-1] in seq.config.stop_tokens else 0)
-    while n > 0 and len(job.decode(tokens[:n - 1])) >= len(job.text):  # a stop string cut the text shorter
-        n -= 1
+    if job.decode(tokens[:n]) != job.text:  # a stop string cut the text: keep the tokens that reach its end
+        while n > 0 and job.decode(tokens[:n - 1]).startswith(job.text):
+            n -= 1
     return tokens[:n], seq.logprobs[:n], seq.top[:n]
 
 
@@ -48,8 +49,9 @@ def completion_logprobs(job: Job, echo: bool) -> dict[str, Any]:
         if alts is None or logprob is None:
             top.append(None)
             continue
-        entry = {job.decode([t]): v for t, v in alts}
-        entry.setdefault(job.decode([token]), logprob)
+        entry: dict[str, float] = {}
+        for t, v in [*alts, (token, logprob)]:  # tokens with the same text (bytes of one character): the likeliest
+            entry.setdefault(job.decode([t]), v)
         top.append(entry)
     offsets, at = [], 0
     for text in texts:
