@@ -13,7 +13,8 @@ class RLHFSection(BaseModel):
     max_length: int = Field(default=0, ge=0, description="tokens per prompt + completion (0 = train.seq_len)")
     max_prompt_length: int = Field(default=0, ge=0, description="prompt tokens kept, from the end (0 = max_length/2)")
     beta: float = Field(default=0.1, gt=0, description="DPO: strength of the pull to the reference")
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = "sigmoid"
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = Field(
+        default="sigmoid", description="DPO loss, as TRL's loss_type of the same name")
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5, description="DPO sigmoid/robust: label noise eps")
     margin: float = Field(default=0.0, description="RM: margin subtracted from r_chosen - r_rejected")
     center_rewards_coefficient: float = Field(default=0.0, ge=0, description="RM: c in c * mean((r_c + r_r)^2)")

@@ -31,7 +31,8 @@ class RLSection(BaseModel):
         Field(default="token-mean", description="how per-token losses are averaged (global counts)")
     beta: float = Field(default=0.0, ge=0, description="KL coefficient to the frozen reference (0 = no reference "
                         "model)")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="estimator of the KL to the reference "
+                                                                              "(Schulman's k1/k2/k3)")
     kl_clamp: float = Field(default=10.0, ge=0, description="log-ratio and KL estimate clamped to +-this (0 = off)")
     kl_in: Literal["loss", "reward"] = Field(default="loss", description="KL as a loss term, or as a reward "
                                              "penalty (ppo: per token, grpo: summed per completion)")
