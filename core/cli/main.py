@@ -27,19 +27,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _needs_plugin_commands(argv: Sequence[str] | None) -> bool:
-    """Whether parsing ``argv`` needs the plugins' commands: for the list of commands (``crosstrain``,
-    ``crosstrain --help``) and a command no core module defines. A core command (``train --help`` too) and
-    ``--version`` parse without importing any plugin."""
+    """Whether parsing ``argv`` needs the plugins' commands: always but for ``crosstrain --version``, since a plugin
+    may add flags to a core command too (``train --profile-steps``). Only the plugins that add commands are imported,
+    and their CLI modules import nothing heavy (tests/test_cli_startup.py)."""
     if argv is None:
         return True
-    command = next((a for a in argv if not a.startswith("-")), None)
-    if command is None:
-        return "--version" not in argv  # no command: the list of commands is printed
-    return command not in CORE_COMMANDS
+    return not ("--version" in argv and all(a.startswith("-") for a in argv))
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """The parser of ``crosstrain``; with ``argv``, only what parsing it needs (see :func:`_needs_plugin_commands`).
+    """The parser of ``crosstrain``; with ``argv``, what parsing it needs (see :func:`_needs_plugin_commands`).
     Every command module imports its heavy dependencies (torch, transformers) inside the function that runs it."""
     parser = _Parser(prog="crosstrain", description="Train on whatever accelerator you have.")
     parser.add_argument("--version", action="version", version=f"crosstrain {__version__}")
