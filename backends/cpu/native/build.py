@@ -6,6 +6,10 @@ with pybind11, threaded with OpenMP when the compiler supports ``-fopenmp``. Ins
 at run time (AVX-512 / AVX2 variants compiled with ``#pragma GCC target``), so no ``-march`` flag is used
 and the wheel runs on any x86-64 CPU. Without a working C++ compiler (or without pybind11, or with
 ``CROSSTRAIN_NO_NATIVE=1``) the install still succeeds and the extension is reported missing at run time.
+
+Each extension is built once per :func:`cache_key` (sources, headers, flags, compiler, Python ABI, pybind11 and
+torch versions) and kept under :func:`cache_dir`; a later install (pip builds in a fresh folder every time) copies
+it from there and prints ``native extension ...: using the cached build ...`` (:func:`cached_build_ext`).
 """
 
 from __future__ import annotations
