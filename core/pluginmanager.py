@@ -80,11 +80,6 @@ def plugin_manager() -> pluggy.PluginManager:
         return _manager
 
 
-def entry_point_names() -> list[str]:
-    """The installed plugins' names, read from the package metadata without importing any of them."""
-    return [ep.name for ep in _entry_points()]
-
-
 def names_hook(ep: EntryPoint, hook_name: str) -> bool:
     """Whether the module behind ``ep`` may implement ``hook_name``: its source text names the hook (an
     implementation, an import of one or a ``specname=``), read without importing it. A module without readable
