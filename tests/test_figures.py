@@ -86,6 +86,12 @@ def test_lora_sft_counts_real_tokens_and_true_flops(tmp_path: Path) -> None:
     peak = summary["peak_flops"]["flops"]
     assert summary["mfu"] == pytest.approx(flops * summary["tokens_per_s"] / peak, rel=1e-9)
     assert 0 < summary["mfu"] <= 1.0
+    # the served version of this LoRA run (adapters merged to serve) shows the summary's hash
+    from crosstrain.plugins.serve.versions import load_version
+
+    served = load_version(str(tmp_path / "sft"), 1, "torch", 2, tmp_path / "serve")
+    assert served.params_sha256 == summary["params_sha256"]
+    assert served.describe()["params_sha256"] == summary["params_sha256"]
 
 
 def test_progress_line_shows_eval_loss_and_headline_metrics() -> None:
