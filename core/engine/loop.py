@@ -25,13 +25,12 @@ from crosstrain.engine.run import Run
 def step_tokens(run: Run, micro: list[Any]) -> tuple[float, float]:
     """The step's real (non-padding) tokens and its token positions over all data-parallel ranks. Padding is
     what the recipe's ``batch_tokens`` reports; without it every position of ``batch_size x seq_len`` counts."""
-    counted = [run.recipe.batch_tokens(b) for b in micro]
-    if any(c is None for c in counted) or not counted:
+    counted = [c for c in (run.recipe.batch_tokens(b) for b in micro) if c is not None]
+    if not counted or len(counted) < len(micro):
         total = float(run.config.train.batch_size * run.config.train.seq_len)
         return total, total
-    sums = torch.stack([torch.as_tensor(c[0], dtype=torch.float64).to(run.device) for c in counted]).sum()  # type: ignore[index]
-    both = torch.stack([sums, torch.tensor(float(sum(c[1] for c in counted)), dtype=torch.float64,  # type: ignore[index]
-                                                   device=run.device)])
+    real = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=run.device) for n, _ in counted]).sum()
+    both = torch.stack([real, torch.tensor(float(sum(p for _, p in counted)), dtype=torch.float64, device=run.device)])
     if run.world_size > 1:  # tp/pp ranks hold copies of their dp rank's batch: count each batch once
         run.collective.all_reduce(both)
         both /= run.world_size // run.sampler.dp_size
