@@ -101,8 +101,9 @@ class ParallelConfig(Section):
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     pp_microbatches: int = Field(default=0, ge=0, description="0 = one per pipeline stage")
     activation_checkpoint: str = Field(default="none", pattern=r"^(none|full|every:[1-9][0-9]*)$")
-    compile: Literal["auto"] | bool = Field(default="auto", description='"auto": compile when the run is long '
-                                            "enough to amortise it or the compile cache is warm, never on a layout "
+    compile: Literal["auto"] | bool = Field(default="auto", description='"auto": compile when the saving over '
+                                            "the run's steps (recorded per model shape + layout, else estimated) "
+                                            "exceeds the compile time (recorded, else a cold ~40 s), never on a layout "
                                             "that does not compile (tp > 1), not by itself with pp/ep > 1; "
                                             "true / false force it")
     layout: Literal["auto", "ddp", "fsdp"] = Field(default="auto", description="with parallel.dp_shard=-1: "
