@@ -112,8 +112,9 @@ class ParallelConfig(Section):
     activation_checkpoint: str = Field(default="none", pattern=r"^(none|full|every:[1-9][0-9]*)$",
                                        description='recompute activations in the backward pass: "none", "full" '
                                        '(every block) or "every:N" (every Nth block)')
-    compile: Literal["auto"] | bool = Field(default="auto", description='"auto": compile when the run is long '
-                                            "enough to amortise it or the compile cache is warm, never on a layout "
+    compile: Literal["auto"] | bool = Field(default="auto", description='"auto": compile when the saving over '
+                                            "the run's steps (recorded per model shape + layout, else estimated) "
+                                            "exceeds the compile time (recorded, else a cold ~40 s), never on a layout "
                                             "that does not compile (tp > 1), not by itself with pp/ep > 1; "
                                             "true / false force it")
     layout: Literal["auto", "ddp", "fsdp"] = Field(default="auto", description="with parallel.dp_shard=-1: "

@@ -189,6 +189,7 @@ class DPORecipe(RLHFRecipe):
 
     name = "dpo"
     kind = "preference"
+    headline_metrics = ("rewards/accuracies", "rewards/margins")
 
     def build_models(self, context: Any) -> dict[str, ModelSpec]:
         policy = self._policy(context)
