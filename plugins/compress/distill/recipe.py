@@ -113,11 +113,20 @@ class DistillRecipe(Recipe):
             if is_on_policy(self.sec.on_policy, seed, step, i):
                 gen = torch.Generator(device=batch.inputs.device).manual_seed(hash((seed, step, i, dp_rank)) % 2**62)
                 batch = sample_completions(student, batch, temperature=self.sec.sample_temperature,
-                                           max_seq_len=max_len, generator=gen)
+                                           max_seq_len=max_len, generator=gen,
+                                           stop_tokens=self.stop_set(context.config))
                 batch.sampled = True
                 self.sampled_batches += 1
             out.append(batch)
         return out
+
+    def stop_set(self, config: Config) -> tuple[int, ...]:
+        """The student's stop tokens (:func:`crosstrain.generation.stops.stop_tokens`), derived once."""
+        if not hasattr(self, "_stops"):
+            from crosstrain.generation.stops import stop_tokens
+
+            self._stops = stop_tokens(config.data.tokenizer, config.model.init_from or None)
+        return self._stops
 
     def _teacher(self, models: Mapping[str, nn.Module], batch: DistillBatch) -> torch.Tensor | TopK:
         if batch.teacher_ids is not None and batch.teacher_logps is not None:
