@@ -1,8 +1,9 @@
 """The RLHF losses as pure functions: per-sequence log-probs in, per-example losses (and rewards) out.
 
-Every function returns *per-example* values; the recipes average them over the examples of a micro-batch, and
-since every micro-batch holds the same number of examples, the loop's mean over micro-batches and data-parallel
-ranks is the global mean over examples (so grad_accum and the number of ranks do not change the loss).
+Every function but :func:`sft_token_loss` returns *per-example* values; the recipes average them over the examples
+of a micro-batch, and since every micro-batch holds the same number of examples, the loop's mean over
+micro-batches and data-parallel ranks is the global mean over examples (so grad_accum and the number of ranks do
+not change the loss). :func:`sft_token_loss` divides by the step's global completion-token count instead.
 Names and formulas follow TRL (``trl.DPOTrainer.dpo_loss``, ``trl.RewardTrainer.compute_loss``).
 """
 
@@ -34,14 +35,28 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tenso
 
 
 def sft_loss(token_nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked negative log-likelihood per sequence: ``sum_t mask * nll / max(1, sum_t mask)``, shape ``[B]``.
+    """Masked negative log-likelihood per sequence: ``sum_t mask * nll / max(1, sum_t mask)``, shape ``[B]``
+    (``rlhf.loss_normalization = "sequence"``).
 
-    Prompt tokens (and padding) have ``mask`` 0, so only completions are learned, as TRL's SFTTrainer with
-    ``completion_only_loss``. Each sequence weighs the same (the mean over its completion tokens), which keeps
-    the mean over a batch independent of how the batch is cut into micro-batches.
+    Prompt tokens (and padding) have ``mask`` 0, so only completions are learned. Each sequence weighs the same
+    (the mean over its completion tokens), which keeps the mean over a batch independent of how the batch is cut
+    into micro-batches. This is not TRL's SFTTrainer reduction: that is :func:`sft_token_loss`.
     """
     m = mask.to(token_nll.dtype)
     return (token_nll * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def sft_token_loss(token_nll: torch.Tensor, mask: torch.Tensor, num_items: float | torch.Tensor) -> torch.Tensor:
+    """``sum_{b,t} mask * nll / max(1, num_items)``, a scalar (``rlhf.loss_normalization = "token"``).
+
+    TRL 1.16 ``SFTTrainer.compute_loss``: ``per_token_loss.sum() / num_items_in_batch``, where transformers'
+    ``Trainer.get_batch_samples`` counts ``num_items_in_batch`` as the completion tokens of the whole gradient
+    accumulation window, summed over ranks (``average_tokens_across_devices``). The caller passes that count (or,
+    for one micro-batch alone, its own ``mask.sum()``), and scales by the number of micro-batches x ranks the loop
+    averages over, as TRL multiplies by ``num_processes``.
+    """
+    m = mask.to(token_nll.dtype)
+    return (token_nll * m).sum() / torch.as_tensor(num_items, dtype=token_nll.dtype).clamp(min=1)
 
 
 def bradley_terry_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor, *,

@@ -1,0 +1,121 @@
+"""crosstrain's losses under TRL's names compute what TRL 1.16 computes (issue 38), each against TRL's formula
+re-derived here from trl/trainer/{sft,dpo}_trainer.py (and against TRL itself where it is installed):
+
+- SFT ``rlhf.loss_normalization="token"``: sum of completion-token NLLs / completion tokens of the whole
+  grad-accumulation window (transformers' ``num_items_in_batch``), 30 steps of completions of 4-20 tokens;
+- DPO ``sigmoid`` ignores label smoothing in TRL, so crosstrain refuses it there; ``cdpo`` and ``robust`` are the
+  named smoothed variants; IPO's logged rewards are ``beta x`` the summed log-ratio, as TRL logs them;
+- ``distill.temperature`` is refused (it meant the loss softening; TRL's GKDConfig.temperature is the sampling
+  temperature): ``distill.loss_temperature`` / ``distill.sample_temperature``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from in_process import crosstrain_main
+
+from crosstrain.config import load_config
+from crosstrain.data.tokenizer import ByteTokenizer
+from crosstrain.models.gpt import GPT, GPTConfig
+from crosstrain.plugins.rlhf import data as rdata
+from crosstrain.plugins.rlhf.recipes import SFTRecipe
+
+
+def _rows(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    words = "abcdefghij"
+    return [(f"q{i % 10}: ", "".join(rng.choice(words) for _ in range(rng.randint(4, 20)))) for i in range(n)]
+
+
+def trl_sft_loss(model: torch.nn.Module, window: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """TRL 1.16 ``SFTTrainer.compute_loss`` summed over one optimizer step's micro-batches: each is
+    ``per_token_loss.sum() / num_items_in_batch`` with ``num_items_in_batch`` = labels != -100 over the window
+    (transformers ``Trainer.get_batch_samples``), so the step's loss is the window's token mean."""
+    labels = [torch.where(b["loss_mask"].bool(), b["input_ids"], -100)[:, 1:] for b in window]
+    num_items = sum(int(lab.ne(-100).sum()) for lab in labels)
+    total = torch.zeros(())
+    for b, lab in zip(window, labels, strict=True):
+        logits = model(b["input_ids"][:, :-1]).float()
+        total = total + F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=-100, reduction="sum")
+    return total / num_items
+
+
+def _sft_recipe(normalization: str) -> tuple[SFTRecipe, SimpleNamespace]:
+    config = load_config(None, [f"rlhf.loss_normalization={normalization}"])
+    recipe = SFTRecipe()
+    recipe.sec = config.section("rlhf")
+    return recipe, SimpleNamespace(config=config, mesh=None, dims=None)
+
+
+def _train_30(normalization: str) -> tuple[list[float], list[float]]:
+    """30 AdamW steps of 3 micro-batches x 4 rows: crosstrain's recipe (prepare_step, then the loop's mean of the
+    micro-batch losses) beside a copy trained on :func:`trl_sft_loss`; both per-step losses."""
+    dataset = rdata.encode_sft(ByteTokenizer(), _rows(48), 32, 8)
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=64))
+    ref = copy.deepcopy(ours)
+    opt_ours, opt_ref = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ours, ref))
+    recipe, context = _sft_recipe(normalization)
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(1)).tolist()
+    got, want = [], []
+    for step in range(30):
+        idx = [order[(step * 12 + k) % 48] for k in range(12)]
+        window = [dataset.batch(idx[i : i + 4]) for i in range(0, 12, 4)]
+        micro = recipe.prepare_step([dict(b) for b in window], context)
+        losses = [recipe.loss({"policy": ours}, b).loss for b in micro]
+        loss = sum(losses) / len(losses)  # the loop: the mean over micro-batches (core/engine/loop.py)
+        opt_ours.zero_grad()
+        loss.backward()
+        opt_ours.step()
+        theirs = trl_sft_loss(ref, window)
+        opt_ref.zero_grad()
+        theirs.backward()
+        opt_ref.step()
+        got.append(float(loss.detach()))
+        want.append(float(theirs))
+    return got, want
+
+
+def test_sft_token_normalization_equals_trl_over_30_steps() -> None:
+    lengths = [len(c) for _, c in _rows(48)]
+    assert min(lengths) == 4 and max(lengths) == 20
+    got, want = _train_30("token")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+    assert worst < 1e-5, worst
+    seq, _ = _train_30("sequence")  # the per-sequence mean is measurably another loss (what the issue found)
+    assert abs(seq[0] - want[0]) / want[0] > 1e-4
+
+
+def _sft_run(tmp_path: Path, normalization: str) -> float:
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in _rows(12)))
+    run = tmp_path / normalization
+    sets = ["model.n_layers=1", "model.dim=32", "model.n_heads=2", "train.steps=1", "train.batch_size=12",
+            "train.grad_accum=3", "train.seq_len=32", "rlhf.max_length=32", "rlhf.max_prompt_length=8",
+            f"data.path={data}", f"data.val_path={data}", "eval.steps=0", "logging.progress=none", "backend=cpu",
+            f"rlhf.loss_normalization={normalization}"]
+    args = ["train", "--recipe", "sft", "--run-dir", str(run)] + [a for s in sets for a in ("--set", s)]
+    assert crosstrain_main(args) == 0
+    return float(json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+
+
+def test_sft_token_normalization_is_what_crosstrain_train_runs(tmp_path) -> None:
+    """Step 1 of a real ``crosstrain train --recipe sft`` (12 rows = the whole set, 3 micro-batches of uneven
+    token counts): its logged loss is TRL's window token mean on the initial weights, whatever the row order."""
+    from crosstrain.recipes.lm import build_model
+
+    config = load_config(None, ["model.n_layers=1", "model.dim=32", "model.n_heads=2", "train.seq_len=32"])
+    torch.manual_seed(config.train.seed)
+    model = build_model(config)
+    dataset = rdata.encode_sft(ByteTokenizer(), _rows(12), 32, 8)
+    want = float(trl_sft_loss(model, [dataset.batch(list(range(12)))]))
+    token = _sft_run(tmp_path, "token")
+    assert abs(token - want) / want < 1e-5, (token, want)
+    assert abs(_sft_run(tmp_path, "sequence") - want) / want > 1e-4
