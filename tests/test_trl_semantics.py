@@ -17,6 +17,7 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 from in_process import crosstrain_main
@@ -79,7 +80,7 @@ def _train_30(normalization: str) -> tuple[list[float], list[float]]:
         theirs.backward()
         opt_ref.step()
         got.append(float(loss.detach()))
-        want.append(float(theirs))
+        want.append(float(theirs.detach()))
     return got, want
 
 
@@ -119,3 +120,91 @@ def test_sft_token_normalization_is_what_crosstrain_train_runs(tmp_path) -> None
     token = _sft_run(tmp_path, "token")
     assert abs(token - want) / want < 1e-5, (token, want)
     assert abs(_sft_run(tmp_path, "sequence") - want) / want > 1e-4
+
+
+# -- DPO: TRL 1.16 DPOTrainer (reverse-KL scores), re-derived ---------------------------------------------------------
+def trl_dpo(pc, pr, rc, rr, cl, rl, beta, loss_type, label_smoothing):
+    """trl/trainer/dpo_trainer.py 1.16 ``_compute_loss`` for ``f_divergence_type="reverse_kl"``, and its logged
+    ``rewards/chosen``/``rewards/rejected`` (``beta * chosen_logratios``)."""
+    chosen, rejected = pc - rc, pr - rr
+    delta = chosen - rejected
+    if loss_type == "sigmoid":
+        loss = -F.logsigmoid(beta * delta)
+    elif loss_type == "ipo":
+        loss = (chosen / cl.clamp(min=1.0) - rejected / rl.clamp(min=1.0) - 1 / (2 * beta)) ** 2
+    elif loss_type == "robust":
+        clean = -(1 - label_smoothing) * F.logsigmoid(beta * delta)
+        flipped = -label_smoothing * F.logsigmoid(-beta * delta)
+        loss = (clean - flipped) / (1 - 2 * label_smoothing)
+    return loss, beta * chosen, beta * rejected
+
+
+def _pairs():
+    g = torch.Generator().manual_seed(0)
+    logps = [-torch.rand(16, generator=g, dtype=torch.float64) * 30 for _ in range(4)]
+    lengths = [torch.randint(4, 21, (16,), generator=g).double() for _ in range(2)]
+    return logps, lengths
+
+
+@pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.1), ("ipo", 0.0), ("robust", 0.2)])
+def test_dpo_losses_and_rewards_equal_trl(loss_type: str, eps: float) -> None:
+    from crosstrain.plugins.rlhf.losses import dpo_loss
+
+    (pc, pr, rc, rr), (cl, rl) = _pairs()
+    ours = dpo_loss(pc, pr, rc, rr, cl, rl, beta=0.3, loss_type=loss_type,
+                    label_smoothing=0.0 if loss_type == "sigmoid" else eps)
+    theirs = trl_dpo(pc, pr, rc, rr, cl, rl, 0.3, loss_type, eps)  # TRL's sigmoid given eps=0.1 ignores it
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_cdpo_closed_form_and_sigmoid_refuses_label_smoothing(tmp_path, capsys) -> None:
+    """cDPO (Mitchell 2023): ``-(1-eps) log s(beta h) - eps log s(-beta h)``, with h = 2, beta = 0.1, eps = 0.1;
+    TRL's sigmoid would ignore eps (4e-3 apart here), so crosstrain refuses the pair with one line."""
+    import math
+
+    from crosstrain.plugins.rlhf.losses import dpo_loss
+
+    logps = (torch.tensor([-4.0]), torch.tensor([-6.0]), torch.tensor([-5.0]), torch.tensor([-5.0]))
+    s = 1 / (1 + math.exp(-0.2))
+    loss, _, _ = dpo_loss(*logps, beta=0.1, loss_type="cdpo", label_smoothing=0.1)
+    assert loss.item() == pytest.approx(-0.9 * math.log(s) - 0.1 * math.log(1 - s), rel=1e-6)
+    assert abs(loss.item() + math.log(s)) > 1e-2  # not TRL's (smoothing-free) sigmoid
+    with pytest.raises(ValueError, match="cdpo"):
+        dpo_loss(*logps, beta=0.1, loss_type="sigmoid", label_smoothing=0.1)
+    args = ["train", "--recipe", "dpo", "--run-dir", str(tmp_path / "r"), "--set", "rlhf.label_smoothing=0.1",
+            "--set", "backend=cpu"]
+    assert crosstrain_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "rlhf.loss_type=cdpo" in err[-1] and not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_ipo_rewards_are_beta_times_summed_log_ratios() -> None:
+    """IPO's loss averages the log-ratios per token, but TRL logs ``beta x`` the summed ones: h_c = 1 over 2 tokens,
+    h_r = -1 over 4, beta = 0.5 -> rewards 0.5 and -0.5 (the per-token form would log 0.25 and -0.125)."""
+    from crosstrain.plugins.rlhf.losses import dpo_loss
+
+    logps = (torch.tensor([-4.0]), torch.tensor([-6.0]), torch.tensor([-5.0]), torch.tensor([-5.0]))
+    loss, chosen, rejected = dpo_loss(*logps, torch.tensor([2.0]), torch.tensor([4.0]), beta=0.5, loss_type="ipo")
+    assert (chosen.item(), rejected.item()) == (0.5, -0.5)
+    assert loss.item() == pytest.approx((0.5 + 0.25 - 1.0) ** 2)
+
+
+# -- distillation temperatures ------------------------------------------------------------------------------------
+def test_distill_temperature_is_refused_and_the_two_temperatures_are_wired(tmp_path, capsys) -> None:
+    from crosstrain.plugins.compress.distill.losses import distill_loss
+
+    args = ["train", "--recipe", "distill", "--run-dir", str(tmp_path / "r"), "--set", "distill.temperature=0.9",
+            "--set", "backend=cpu"]
+    assert crosstrain_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "distill.loss_temperature" in err and "distill.sample_temperature" in err
+    config = load_config(None, ["distill.loss_temperature=2", "distill.sample_temperature=0.9"])
+    sec = config.section("distill")
+    assert (sec.loss_temperature, sec.sample_temperature) == (2.0, 0.9)
+    # loss_temperature is Hinton's T: forward KL of the T-softened distributions x T^2 (closed form on 1 token)
+    s, t = torch.tensor([[[0.0, 1.0, 2.0]]]), torch.tensor([[[2.0, 0.0, 1.0]]])
+    pt = (t / 2).log_softmax(-1)
+    want = (pt.exp() * (pt - (s / 2).log_softmax(-1))).sum() * 4
+    got = distill_loss(s, t, torch.ones(1, 1, dtype=torch.bool), loss="forward_kl", temperature=2.0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-DPOLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
+DPOLossType = Literal["sigmoid", "cdpo", "hinge", "ipo", "robust"]
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -84,25 +84,34 @@ def dpo_loss(
     Inputs are per-sequence *summed* completion log-probs ``[B]`` and the completion lengths ``[B]``. With
     ``h = (log pi_c - log pi_ref_c) - (log pi_r - log pi_ref_r)``:
 
-    - ``sigmoid`` (Rafailov et al. 2023, arXiv:2305.18290; with eps the conservative cDPO of TRL):
+    - ``sigmoid`` (Rafailov et al. 2023, arXiv:2305.18290): ``-log sigmoid(beta h)``. TRL 1.16's ``sigmoid``
+      ignores ``label_smoothing``; here eps != 0 is refused (name ``cdpo`` or ``robust``) rather than ignored
+    - ``cdpo`` (conservative DPO, Mitchell 2023, "A note on DPO with noisy preferences"), label noise eps:
       ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``
     - ``hinge`` (SLiC, Zhao et al. 2023, arXiv:2305.10425): ``relu(1 - beta h)``
     - ``ipo`` (Azar et al. 2023, arXiv:2310.12036): ``(h - 1/(2 beta))^2`` with per-token-averaged log-probs
-      (each log-prob divided by its length, as TRL's ``ipo``); needs the lengths
+      (each log-ratio divided by its length, as TRL's ``ipo``); needs the lengths
     - ``robust`` (Chowdhury et al. 2024, arXiv:2403.00409), label noise eps < 0.5:
-      ``(-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)``
+      ``(-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)`` (TRL's ``robust``)
 
-    The rewards use the same (summed, or for ``ipo`` averaged) log-probs as the loss, as TRL does.
+    The rewards are ``beta x`` the *summed* log-ratios for every loss type, ``ipo`` included, as TRL 1.16's
+    ``DPOTrainer`` logs ``rewards/chosen`` and ``rewards/rejected``.
     """
     pc, pr, rc, rr = policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
+    chosen_ratio, rejected_ratio = pc - rc, pr - rr
     if loss_type == "ipo":
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError("loss_type='ipo' averages log-probs per token: pass chosen_lengths and rejected_lengths")
-        cl, rl = chosen_lengths.clamp(min=1), rejected_lengths.clamp(min=1)
-        pc, rc, pr, rr = pc / cl, rc / cl, pr / rl, rr / rl
-    h = (pc - rc) - (pr - rr)
+        h = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+    else:
+        h = chosen_ratio - rejected_ratio
     eps = label_smoothing
     if loss_type == "sigmoid":
+        if eps:
+            raise ValueError(f"loss_type='sigmoid' takes no label_smoothing (TRL's ignores it), got {eps}; use "
+                             "loss_type='cdpo' or 'robust'")
+        loss = -F.logsigmoid(beta * h)
+    elif loss_type == "cdpo":
         loss = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
     elif loss_type == "hinge":
         loss = torch.relu(1 - beta * h)
@@ -113,8 +122,8 @@ def dpo_loss(
             raise ValueError(f"loss_type='robust' needs 0 <= label_smoothing < 0.5, got {eps}")
         loss = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
     else:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose sigmoid, hinge, ipo or robust")
-    return loss, beta * (pc - rc).detach(), beta * (pr - rr).detach()
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose sigmoid, cdpo, hinge, ipo or robust")
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
 def preference_accuracy(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor) -> torch.Tensor:

@@ -215,6 +215,15 @@ class DPORecipe(RLHFRecipe):
     name = "dpo"
     kind = "preference"
 
+    def validate(self, config: Config) -> None:
+        sec = _section(config)
+        if sec.loss_type == "sigmoid" and sec.label_smoothing:
+            # TRL 1.16's sigmoid silently ignores label_smoothing: a copied TRL config must not train another loss
+            raise ConfigError(f"rlhf.label_smoothing={sec.label_smoothing} has no effect on rlhf.loss_type=sigmoid "
+                              "(TRL ignores it too); set rlhf.loss_type=cdpo (conservative DPO) or robust, or "
+                              "rlhf.label_smoothing=0")
+        super().validate(config)
+
     def build_models(self, context: Any) -> dict[str, ModelSpec]:
         policy = self._policy(context)
         if self.sec.reference == "precomputed":  # one pass before the first batch, cached; no reference model
