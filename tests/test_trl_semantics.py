@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -94,17 +97,25 @@ def test_sft_token_normalization_equals_trl_over_30_steps() -> None:
     assert abs(seq[0] - want[0]) / want[0] > 1e-4
 
 
-def _sft_run(tmp_path: Path, normalization: str) -> float:
+def _sft_run(tmp_path: Path, normalization: str, *extra: str, steps: int = 1, nproc: int = 1,
+             name: str = "") -> list[float]:
+    """The per-step losses of ``crosstrain train --recipe sft`` on 12 rows (batch = the whole set)."""
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in _rows(12)))
-    run = tmp_path / normalization
-    sets = ["model.n_layers=1", "model.dim=32", "model.n_heads=2", "train.steps=1", "train.batch_size=12",
+    run = tmp_path / (name or normalization)
+    sets = ["model.n_layers=1", "model.dim=32", "model.n_heads=2", f"train.steps={steps}", "train.batch_size=12",
             "train.grad_accum=3", "train.seq_len=32", "rlhf.max_length=32", "rlhf.max_prompt_length=8",
             f"data.path={data}", f"data.val_path={data}", "eval.steps=0", "logging.progress=none", "backend=cpu",
-            f"rlhf.loss_normalization={normalization}"]
+            "optim.lr=1e-2", f"rlhf.loss_normalization={normalization}", *extra]
     args = ["train", "--recipe", "sft", "--run-dir", str(run)] + [a for s in sets for a in ("--set", s)]
-    assert crosstrain_main(args) == 0
-    return float(json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+    if nproc > 1:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        proc = subprocess.run([sys.executable, "-m", "crosstrain", *args, "--nproc", str(nproc)], capture_output=True,
+                              text=True, env=dict(env, OMP_NUM_THREADS="1"), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert crosstrain_main(args) == 0
+    return [float(json.loads(x)["loss"]) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
 
 
 def test_sft_token_normalization_is_what_crosstrain_train_runs(tmp_path) -> None:
@@ -117,9 +128,18 @@ def test_sft_token_normalization_is_what_crosstrain_train_runs(tmp_path) -> None
     model = build_model(config)
     dataset = rdata.encode_sft(ByteTokenizer(), _rows(12), 32, 8)
     want = float(trl_sft_loss(model, [dataset.batch(list(range(12)))]))
-    token = _sft_run(tmp_path, "token")
+    token = _sft_run(tmp_path, "token")[0]
     assert abs(token - want) / want < 1e-5, (token, want)
-    assert abs(_sft_run(tmp_path, "sequence") - want) / want > 1e-4
+    assert abs(_sft_run(tmp_path, "sequence")[0] - want) / want > 1e-4
+
+
+def test_sft_token_normalization_counts_tokens_over_ranks(tmp_path) -> None:
+    """2 FSDP2 ranks (gloo, 6 rows each, 3 micro-batches of 2) train what 1 process does: the completion-token count
+    is all-reduced over the ranks, as transformers' average_tokens_across_devices (losses within 1e-5, 3 steps)."""
+    one = _sft_run(tmp_path, "token", steps=3, name="one")
+    two = _sft_run(tmp_path, "token", "parallel.dp_shard=2", steps=3, nproc=2, name="two")
+    assert len(one) == len(two) == 3
+    assert max(abs(a - b) / b for a, b in zip(one, two, strict=True)) < 1e-5, (one, two)
 
 
 # -- DPO: TRL 1.16 DPOTrainer (reverse-KL scores), re-derived ---------------------------------------------------------
