@@ -222,9 +222,32 @@ def test_distill_temperature_is_refused_and_the_two_temperatures_are_wired(tmp_p
     config = load_config(None, ["distill.loss_temperature=2", "distill.sample_temperature=0.9"])
     sec = config.section("distill")
     assert (sec.loss_temperature, sec.sample_temperature) == (2.0, 0.9)
+    assert load_config(None, []).section("distill").sample_temperature == 1.0  # GKDConfig's default is 0.9
     # loss_temperature is Hinton's T: forward KL of the T-softened distributions x T^2 (closed form on 1 token)
     s, t = torch.tensor([[[0.0, 1.0, 2.0]]]), torch.tensor([[[2.0, 0.0, 1.0]]])
     pt = (t / 2).log_softmax(-1)
     want = (pt.exp() * (pt - (s / 2).log_softmax(-1))).sum() * 4
     got = distill_loss(s, t, torch.ones(1, 1, dtype=torch.bool), loss="forward_kl", temperature=2.0)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_distill_divides_each_micro_batch_by_its_own_tokens_unlike_gkd_1_16() -> None:
+    """A remaining difference (docs/compress.md): TRL 1.16's GKDTrainer divides the window's summed divergence by
+    ``num_items_in_batch`` (all completion tokens of the grad-accumulation window); ``distill_loss`` is each
+    micro-batch's own token mean, averaged by the loop. Equal when every micro-batch counts as many tokens."""
+    from crosstrain.plugins.compress.distill.losses import distill_loss
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 2, 6, 5, generator=g), torch.randn(2, 2, 6, 5, generator=g)
+    masks = torch.zeros(2, 2, 6, dtype=torch.bool)
+    masks[0, :, :1], masks[1, :, :6] = True, True  # 2 and 12 counted tokens
+    ours = sum(distill_loss(s[i], t[i], masks[i]) for i in range(2)) / 2
+    per_token = [(t[i].softmax(-1) * (t[i].log_softmax(-1) - s[i].log_softmax(-1))).sum(-1) for i in range(2)]
+    sums, counts = [float((p * m).sum()) for p, m in zip(per_token, masks, strict=True)], [2, 12]
+    gkd = sum(sums) / sum(counts)
+    assert float(ours) == pytest.approx((sums[0] / 2 + sums[1] / 12) / 2, rel=1e-6)
+    assert abs(float(ours) - gkd) / gkd > 1e-3  # 4.6e-3 relative here
+    masks[0, :, :6] = True  # equal counts: the same loss
+    even = sum(distill_loss(s[i], t[i], masks[i]) for i in range(2)) / 2
+    full = sum(float((p * masks[i]).sum()) for i, p in enumerate(per_token)) / 24
+    assert float(even) == pytest.approx(full, rel=1e-6)
