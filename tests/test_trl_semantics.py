@@ -251,3 +251,30 @@ def test_distill_divides_each_micro_batch_by_its_own_tokens_unlike_gkd_1_16() ->
     even = sum(distill_loss(s[i], t[i], masks[i]) for i in range(2)) / 2
     full = sum(float((p * masks[i]).sum()) for i, p in enumerate(per_token)) / 24
     assert float(even) == pytest.approx(full, rel=1e-6)
+
+
+def test_distill_alpha_mixes_the_label_nll_and_alpha_1_is_gkd() -> None:
+    """``alpha`` x divergence + (1 - alpha) x label NLL per data micro-batch; GKD's loss is the divergence alone,
+    which is ``alpha = 1`` and every sampled micro-batch (docs/compress.md's table)."""
+    from crosstrain.plugins.compress.distill.data import DistillBatch
+    from crosstrain.plugins.compress.distill.recipe import DistillRecipe
+
+    torch.manual_seed(0)
+    student, teacher = (GPT(GPTConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, max_seq_len=16))
+                        for _ in range(2))
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    batch = DistillBatch(inputs=ids[:, :-1], targets=ids[:, 1:], mask=torch.ones(2, 8, dtype=torch.bool),
+                         prompt_lengths=torch.zeros(2, dtype=torch.long), index=torch.arange(2))
+    recipe = DistillRecipe()
+    models = {"student": student, "teacher": teacher}
+    losses = {}
+    for alpha in (0.3, 1.0):
+        recipe.sec = load_config(None, [f"distill.alpha={alpha}"]).section("distill")
+        out = recipe.loss(models, batch)
+        losses[alpha] = (float(out.loss), float(out.metrics["kd"]), float(out.metrics["nll/student"]))
+    loss, kd, nll = losses[0.3]
+    assert loss == pytest.approx(0.3 * kd + 0.7 * nll, rel=1e-6) and abs(nll - kd) > 1e-3
+    assert losses[1.0][0] == pytest.approx(kd, rel=1e-6)  # GKD: the divergence alone
+    batch.sampled = True  # a sampled micro-batch trains on the divergence alone whatever alpha
+    recipe.sec = load_config(None, ["distill.alpha=0.3"]).section("distill")
+    assert float(recipe.loss(models, batch).loss) == pytest.approx(kd, rel=1e-6)
