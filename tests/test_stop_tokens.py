@@ -132,3 +132,20 @@ def test_crosstrain_generate_stops_at_every_stop_token(folder) -> None:
     stops = (EOS, EOT, EXTRA)
     assert all(t not in stops for row in rows for t in row[:-1])  # nothing generated after a stop
     assert {row[-1] for row in rows if len(row) < 24} >= {EOT, EXTRA}  # not only the tokenizer's eos_id ends a row
+
+
+def test_the_cache_feeding_loop_stops_at_the_same_tokens(folder) -> None:
+    """The onnxruntime engine's loop (``_ort_loop``, run here on the torch engine's concatenating cache, the layout
+    the exported graph computes) cuts rows at the same stop set and gives the torch engine's tokens."""
+    import numpy as np
+
+    from crosstrain.data.hf_tokenizer import describe_tokenizer
+    from crosstrain.plugins.export.generate import Sampling, TorchEngine, _ort_loop, generate, stop_set
+
+    engine = TorchEngine(_tiny(), describe_tokenizer(str(folder)))
+    stops = stop_set(engine.tokenizer, engine.tokenizer["eos_id"])
+    assert stops == (EOS, EOT, EXTRA)
+    sampling = Sampling(temperature=1.0, seed=3)
+    ref = generate(engine, [[3, 4, 5]] * 16, 24, sampling, eos_id=EOS)
+    rows = _ort_loop(engine, np.asarray([[3, 4, 5]] * 16), 24, sampling, stops, torch.Generator().manual_seed(3))
+    assert rows == ref and any(len(r) < 24 for r in rows)
