@@ -15,7 +15,9 @@ class RLSection(BaseModel):
 
     num_generations: int = Field(default=4, ge=1, description="G: completions sampled per prompt (GRPO's group)")
     max_new_tokens: int = Field(default=8, ge=1, description="tokens generated per completion")
-    stop: str = Field(default="\n", description="a completion ends after this character ('' = none)")
+    stop: str = Field(default="\n", description="a completion also ends after this character "
+                      "('' = none), besides the tokenizer's EOS/end-of-turn tokens and generation_config.json's "
+                      "eos_token_id (crosstrain.generation.stops)")
     advantage: Literal["group", "rloo"] = Field(default="group", description="grpo: group-normalised (GRPO) or "
                                                 "leave-one-out (RLOO); ppo always uses GAE")
     scale_rewards: Literal["group", "batch", "none"] = Field(default="group", description="grpo advantage: divide "
