@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from crosstrain.engine.loss_scale import DynamicLossScaler
 from crosstrain.engine.models import TrainedModel, check_specs, frozen_sha256, transform_specs
 from crosstrain.engine.recipe import Recipe, RecipeDataset, resolve_recipe
 from crosstrain.engine.watchdog import check_hang_dump
+from crosstrain.errors import ConfigError
 from crosstrain.optim.factory import build_optimizer
 from crosstrain.optim.schedules import build_schedule
 from crosstrain.parallel.dims import ParallelDims
@@ -131,7 +133,21 @@ class Run:
                 results.update({f"eval/{name}/{k[len('eval/'):]}": v for k, v in extra.items()
                                 if k.startswith("eval/")})
                 results["time_eval_s"] = results.get("time_eval_s", 0.0) + extra.get("time_eval_s", 0.0)
+        if self.config.eval.tasks:
+            start = time.perf_counter()
+            results.update({f"eval/{k}": v for k, v in self.score_tasks(self.config.eval.tasks,
+                                                                         self.config.eval.tasks_limit)["scores"].items()})
+            results["time_eval_s"] = results.get("time_eval_s", 0.0) + time.perf_counter() - start
         return results
+
+    def score_tasks(self, tasks: list[str], limit: int | None = None, num_fewshot: int | None = None,
+                    log_samples: bool = False) -> dict[str, Any]:
+        """Benchmark tasks on the primary model (:mod:`crosstrain.engine.evaluate_tasks`; one process only)."""
+        from crosstrain.data.hf_tokenizer import describe_tokenizer
+        from crosstrain.engine.evaluate_tasks import TaskRequest, score_tasks
+
+        return score_tasks(TaskRequest(self.primary.module, describe_tokenizer(self.config.data.tokenizer),
+                                       tuple(tasks), limit, num_fewshot, log_samples, self.primary.parallel.autocast))
 
     def close(self) -> None:
         """Restore the thread count and kernel mode and leave the process group this run created."""
@@ -199,6 +215,9 @@ def _build(
         before = kernel_registry.mode
         undo.append(lambda: kernel_registry.set_mode(before))
         kernel_registry.set_mode(cfg.kernels.mode)
+    if cfg.eval.tasks and env.world_size > 1:
+        raise ConfigError(f"eval.tasks are scored in one process, and this run has {env.world_size}; train with "
+                          "one process or score the checkpoint after training: crosstrain eval RUN --tasks ...")
     collective = backend.collective()
     if not collective.initialized:
         undo.append(collective.destroy)
