@@ -185,3 +185,15 @@ def test_without_lm_eval_the_line_names_the_extra(work: Path, capsys: pytest.Cap
     assert main(["eval", str(work / "run"), "--tasks", str(work / "mc.yaml")]) == 2
     line = one_line_error(*capsys.readouterr())[-1]
     assert "pip install 'crosstrain[eval]'" in line
+
+
+def test_eval_tasks_on_more_than_one_process_is_refused_before_any_worker(work: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    code = main(["train", "--nproc", "2", "--set", "train.steps=2", "--set",
+                 f"eval.tasks=[{json.dumps(str(work / 'mc.yaml'))}]"])
+    line = one_line_error(*capsys.readouterr(), lines=1)[0]
+    assert code == 2 and "eval.tasks are scored in one process, and this run has 2" in line
+    assert list(tmp_path.iterdir()) == []  # no worker started, no run dir

@@ -32,7 +32,6 @@ from crosstrain.engine.loss_scale import DynamicLossScaler
 from crosstrain.engine.models import TrainedModel, check_specs, frozen_sha256, transform_specs
 from crosstrain.engine.recipe import Recipe, RecipeDataset, resolve_recipe
 from crosstrain.engine.watchdog import check_hang_dump
-from crosstrain.errors import ConfigError
 from crosstrain.optim.factory import build_optimizer
 from crosstrain.optim.schedules import build_schedule
 from crosstrain.parallel.dims import ParallelDims
@@ -215,9 +214,6 @@ def _build(
         before = kernel_registry.mode
         undo.append(lambda: kernel_registry.set_mode(before))
         kernel_registry.set_mode(cfg.kernels.mode)
-    if cfg.eval.tasks and env.world_size > 1:
-        raise ConfigError(f"eval.tasks are scored in one process, and this run has {env.world_size}; train with "
-                          "one process or score the checkpoint after training: crosstrain eval RUN --tasks ...")
     collective = backend.collective()
     if not collective.initialized:
         undo.append(collective.destroy)
