@@ -49,6 +49,30 @@ metric_list:
     return path
 
 
+def _rolling_task(root: Path) -> Path:
+    """Perplexity of whole texts longer than the model's 256-token context (several rolling windows each)."""
+    with open(root / "roll.jsonl", "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"text": " ".join(f"The {WORDS[(i + j) % 7]} and the {WORDS[j % 7]}." for j in
+                                                 range(12 + 6 * i))}) + "\n")
+    path = root / "roll.yaml"
+    path.write_text(f"""task: tiny_roll
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / 'roll.jsonl'}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+""")
+    return path
+
+
 def _gen_task(root: Path, until: str) -> Path:
     with open(root / "gen.jsonl", "w") as f:
         for i in range(6):
@@ -78,6 +102,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("eval_tasks")
     Trainer(load_config(None, [*TRAIN, "eval.every=0"]), run_dir=root / "run").fit()
     _mc_task(root)
+    _rolling_task(root)
     return root
 
 
@@ -101,7 +126,10 @@ def _choice(sample: dict) -> int:
 
 def test_multiple_choice_scores_equal_lm_eval_hf_on_the_exported_folder(work: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    ours = _ours(work, capsys, work / "mc.yaml")
+    capsys.readouterr()
+    tasks = f"{work / 'mc.yaml'},{work / 'roll.yaml'}"
+    assert main(["eval", str(work / "run"), "--tasks", tasks, "--json", "--log-samples"]) == 0
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     hf = work / "hf"
     assert main(["export", str(work / "run"), "--format", "hf", "--out", str(hf)]) == 0
     from lm_eval.tasks import TaskManager
@@ -109,7 +137,8 @@ def test_multiple_choice_scores_equal_lm_eval_hf_on_the_exported_folder(work: Pa
     # the byte tokenizer has no EOS: the reference starts empty contexts from byte 0 as the adapter does
     ref = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(hf), "dtype": "float32",
                                                           "prefix_token_id": 0, "device": "cpu"},
-                                  tasks=[str(work / "mc.yaml")], batch_size=8, log_samples=True,
+                                  tasks=[str(work / "mc.yaml"), str(work / "roll.yaml")], batch_size=8,
+                                  log_samples=True,
                                   task_manager=TaskManager(include_path=str(work), include_defaults=False))
     assert ours["step"] == 40 and len(ours["samples"]["tiny_mc"]) == 60
     assert ours["scores"]["tiny_mc/acc"] == pytest.approx(ref["results"]["tiny_mc"]["acc,none"], abs=1e-12)
@@ -122,7 +151,13 @@ def test_multiple_choice_scores_equal_lm_eval_hf_on_the_exported_folder(work: Pa
         for (ll, greedy), (ref_ll, ref_greedy) in zip(mine[doc]["filtered_resps"], sample["filtered_resps"],
                                                       strict=True):
             assert ll == pytest.approx(ref_ll, abs=1e-4) and greedy == ref_greedy
-    assert 0.0 <= ours["scores"]["tiny_mc/acc"] <= 1.0
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert ours["scores"][f"tiny_roll/{metric}"] == pytest.approx(ref["results"]["tiny_roll"][f"{metric},none"],
+                                                                       rel=1e-5)
+    rolled = {s["doc_id"]: s for s in ours["samples"]["tiny_roll"]}
+    for sample in ref["samples"]["tiny_roll"]:
+        assert len(sample["doc"]["text"]) > 256  # more than one window
+        assert rolled[sample["doc_id"]]["filtered_resps"][0] == pytest.approx(sample["filtered_resps"][0], rel=1e-5)
 
 
 def _generated(work: Path, capsys: pytest.CaptureFixture[str], prompt: str) -> str:
