@@ -215,6 +215,20 @@ def test_missing_task_is_one_line_exit_2(work: Path, tasks: str, words: tuple[st
     assert all(w in line for w in words), line
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--limit", "3"], "apply to --tasks"),
+    (["--tasks", "{mc}", "--limit", "0"], "--limit=0 must be >= 1"),
+    (["--tasks", "{mc}", "--num-fewshot", "-1"], "--num-fewshot=-1 must be >= 0"),
+    (["--tasks", "{mc}", "--nproc", "2"], "drop --nproc"),
+    (["--tasks", " , "], "--tasks is empty"),
+])
+def test_bad_task_options_are_one_line_exit_2(work: Path, args: list[str], words: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["eval", str(work / "run"), *(a.format(mc=work / "mc.yaml") for a in args)]) == 2
+    assert words in one_line_error(*capsys.readouterr())[-1]
+
+
 def test_without_lm_eval_the_line_names_the_extra(work: Path, capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: find_spec gives None

@@ -79,10 +79,6 @@ def score(lm: Any, tasks: list[str], *, limit: int | None = None, num_fewshot: i
     manager = task_manager(tasks)
     from lm_eval import simple_evaluate
 
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--limit={limit} must be >= 1 (omit it to score every item)")
-    if num_fewshot is not None and num_fewshot < 0:
-        raise ConfigError(f"--num-fewshot={num_fewshot} must be >= 0")
     try:
         out = simple_evaluate(model=lm, tasks=list(tasks), limit=limit, num_fewshot=num_fewshot,
                               task_manager=manager, log_samples=log_samples)

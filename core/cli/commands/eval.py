@@ -42,12 +42,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--tasks is empty; pass task names or task YAML paths, comma separated")
     if not tasks and (args.limit is not None or args.num_fewshot is not None or args.log_samples):
         raise ConfigError("--limit, --num-fewshot and --log-samples apply to --tasks; add --tasks NAME_OR_YAML")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit={args.limit} must be >= 1 (omit it to score every item)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot={args.num_fewshot} must be >= 0 (omit it for each task's own)")
+    if tasks and args.nproc is not None:
+        raise ConfigError("--tasks scores in this process; drop --nproc")
     overrides = [*(args.set or []), *([f"data.val_path={args.data}"] if args.data else []),
                  *([f"eval.tasks={json.dumps(tasks)}"] if tasks else [])]  # validated like the config key
     config = load_config(config_file, overrides)
     if tasks:
-        if args.nproc is not None:
-            raise ConfigError("--tasks scores in this process; drop --nproc")
         return _score(args, config, source, tasks)
     if args.nproc is not None:
         if args.nproc < 1:
