@@ -151,6 +151,12 @@ def test_multiple_choice_scores_equal_lm_eval_hf_on_the_exported_folder(work: Pa
         for (ll, greedy), (ref_ll, ref_greedy) in zip(mine[doc]["filtered_resps"], sample["filtered_resps"],
                                                       strict=True):
             assert ll == pytest.approx(ref_ll, abs=1e-4) and greedy == ref_greedy
+    import crosstrain.plugins.evaluate.adapter  # noqa: F401  registers "crosstrain" with lm-eval
+
+    by_name = lm_eval.simple_evaluate(model="crosstrain", model_args=f"path={work / 'run'}",
+                                      tasks=[str(work / "mc.yaml")], batch_size=4,
+                                      task_manager=TaskManager(include_path=str(work), include_defaults=False))
+    assert by_name["results"]["tiny_mc"]["acc,none"] == ours["scores"]["tiny_mc/acc"]
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         assert ours["scores"][f"tiny_roll/{metric}"] == pytest.approx(ref["results"]["tiny_roll"][f"{metric},none"],
                                                                        rel=1e-5)

@@ -43,6 +43,38 @@ class CrosstrainLM(TemplateLM):
         self._autocast = autocast
         self._device = next(model.parameters()).device
 
+    @classmethod
+    def from_run(cls, path: str, best: bool = False, batch_size: int = 16) -> CrosstrainLM:
+        """A run dir, checkpoint, .safetensors file or HF folder, loaded as ``crosstrain generate`` loads it (a
+        fp32 GPT on CPU, :func:`crosstrain.plugins.export.loading.load_model`)."""
+        from crosstrain.plugins.export.loading import load_model
+
+        loaded = load_model(path, best=best)
+        return cls(loaded.model, loaded.tokenizer, max_length=int(loaded.config.max_seq_len), batch_size=batch_size)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any],
+                            additional_config: dict[str, Any] | None = None) -> CrosstrainLM:
+        """``lm_eval.simple_evaluate(model="crosstrain", model_args={"path": RUN, "best": False},
+        batch_size=N, device=D)`` (``import crosstrain.plugins.evaluate.adapter`` registers the name)."""
+        args = {**arg_dict, **{k: v for k, v in (additional_config or {}).items() if v is not None}}
+        unknown = sorted(set(args) - {"path", "best", "batch_size", "device", "max_batch_size"})
+        if "path" not in args or unknown:
+            raise ConfigError(f"model_args {arg_dict!r}: pass path=RUN_DIR_OR_CHECKPOINT (and optionally best, "
+                              f"batch_size, device){'; unknown ' + ', '.join(unknown) if unknown else ''}")
+        best = args.get("best", False)
+        lm = cls.from_run(str(args["path"]), best=best in (True, "True", "true", "1"),
+                          batch_size=int(args.get("batch_size") or 16))
+        if args.get("device"):
+            lm.model.to(args["device"])
+            lm._device = torch.device(args["device"])
+        return lm
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> CrosstrainLM:
+        """``model_args="path=RUN[,best=True]"``."""
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
     # -- tokenizer ------------------------------------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
