@@ -208,6 +208,26 @@ def test_eval_tasks_during_training_go_to_metrics_and_summary(work: Path, tmp_pa
     assert "panel-eval_tasks" in page and (tmp_path / "report" / "eval_tasks.png").stat().st_size > 1000
 
 
+def test_scoring_leaves_the_global_generators_as_they_were(work: Path) -> None:
+    """lm-eval seeds Python's, numpy's and torch's generators; a training run scored mid-way keeps its streams."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from crosstrain.plugins.evaluate.adapter import CrosstrainLM
+    from crosstrain.plugins.evaluate.tasks import score
+
+    lm = CrosstrainLM.from_run(str(work / "run"))  # building the model draws from torch's generator
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    found = score(lm, [str(work / "mc.yaml")], limit=3)
+    assert set(found.scores) >= {"tiny_mc/acc", "tiny_mc/acc_norm"}
+    after = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    assert torch.equal(after[0], torch.rand(3)) and (after[1] == np.random.rand(3)).all()
+    assert after[2] == random.random()
+
+
 @pytest.mark.parametrize("tasks, words", [
     ("{root}/nope.yaml", ("nope.yaml", "does not exist")),
     ("no_such_task_xyz", ("no_such_task_xyz", "task YAML")),

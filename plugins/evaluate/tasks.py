@@ -4,8 +4,10 @@ it is ``none``), every problem with the task list one line."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,8 +82,9 @@ def score(lm: Any, tasks: list[str], *, limit: int | None = None, num_fewshot: i
     from lm_eval import simple_evaluate
 
     try:
-        out = simple_evaluate(model=lm, tasks=list(tasks), limit=limit, num_fewshot=num_fewshot,
-                              task_manager=manager, log_samples=log_samples)
+        with _own_rng():
+            out = simple_evaluate(model=lm, tasks=list(tasks), limit=limit, num_fewshot=num_fewshot,
+                                  task_manager=manager, log_samples=log_samples)
     except (KeyError, FileNotFoundError, ValueError) as exc:  # a task YAML lm-eval cannot build, or its data
         from crosstrain.errors import first_line
 
@@ -97,3 +100,21 @@ def _plain(sample: dict[str, Any]) -> dict[str, Any]:
     keep = {"doc_id", "target", "arguments", "resps", "filtered_resps", "filter"}
     metrics = sample.get("metrics") or []
     return {**{k: sample[k] for k in keep if k in sample}, **{m: sample[m] for m in metrics if m in sample}}
+
+
+@contextlib.contextmanager
+def _own_rng() -> Iterator[None]:
+    """lm-eval seeds Python's, numpy's and torch's global generators (its defaults, for reproducible scores); a
+    training run's RNG streams must not move because it was scored, so they are put back afterwards."""
+    import random
+
+    import numpy as np
+    import torch
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng():  # CPU and every CUDA device
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
