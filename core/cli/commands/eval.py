@@ -92,9 +92,11 @@ def _score(args: argparse.Namespace, config: Any, source: Any, tasks: list[str])
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="evaluate a saved checkpoint on held-out data (loss and perplexity)",
+    p = sub.add_parser("eval", help="evaluate a saved checkpoint on held-out data (loss and perplexity) or on "
+                                    "lm-eval tasks (--tasks)",
                        description="Evaluate a run's latest (or --best) checkpoint, or a step_N folder, with the "
-                                   "run's config on its validation split or on --data.")
+                                   "run's config on its validation split or on --data; with --tasks, score "
+                                   "lm-evaluation-harness tasks in process instead (docs/evaluate.md).")
     p.add_argument("path", help="run dir, its checkpoints/ folder, or a checkpoints/step_N folder")
     p.add_argument("--data", default=None, help="token file to evaluate on instead of the run's validation split")
     p.add_argument("--best", action="store_true", help="the checkpoint with the best eval loss (keep_best runs)")
