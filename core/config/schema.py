@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Section(BaseModel):
@@ -146,6 +146,24 @@ class EvalConfig(Section):
     every: int = Field(default=100, ge=0, description="evaluate every N steps and after the last (0 = off)")
     steps: int = Field(default=0, ge=0, description="batches per evaluation (0 = the whole validation split)")
     batch_size: int = Field(default=0, ge=0, description="sequences per eval batch (0 = train.batch_size)")
+    tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks scored at each "
+                             "evaluation (registered names or local task YAML paths; needs crosstrain[eval]), "
+                             "reported as eval/<task>/<metric>")
+    tasks_limit: int | None = Field(default=None, ge=1, description="score only the first N items of each of "
+                                    "eval.tasks (None = all)")
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_runnable(cls, tasks: list[str]) -> list[str]:
+        import importlib.util
+        from pathlib import Path
+
+        if tasks and importlib.util.find_spec("lm_eval") is None:
+            raise ValueError("eval.tasks needs lm-evaluation-harness; pip install 'crosstrain[eval]'")
+        for task in tasks:
+            if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
+                raise ValueError(f"task file {task!r} does not exist; give an lm-eval task YAML path or a name")
+        return tasks
 
 
 class FaultConfig(Section):

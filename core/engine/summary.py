@@ -160,6 +160,9 @@ def build_summary(
     if record.eval_record:  # {"loss": ..., "<metric>": ...}; eval_before is null on a resumed run
         for key, found in (("eval_before", record.eval_before), ("eval_after", record.eval_after)):
             summary[key] = {k[len("eval/") :]: v for k, v in found.items() if k.startswith("eval/")} if found else None
+    if cfg.eval.tasks:  # the last evaluation's benchmark scores: {"<task>/<metric>": value}
+        summary["eval_tasks"] = {k[len("eval/"):]: v for k, v in (record.eval_after or {}).items()
+                                 if k.startswith("eval/") and k.count("/") >= 2}
     summary.update(run.recipe.summary())
     return summary
 
