@@ -30,16 +30,19 @@ def _packages() -> tuple[list[str], dict[str, str]]:
     return sorted(packages), package_dir
 
 
-def _ext_modules() -> list:
+def _native() -> tuple[list, dict]:
+    """The native extensions and the ``build_ext`` that takes them from the build cache when their sources,
+    flags and compiler are unchanged (``backends/cpu/native/build.py``)."""
     path = os.path.join("backends", "cpu", "native", "build.py")
     if not os.path.exists(path):
-        return []
+        return [], {}
     spec = importlib.util.spec_from_file_location("_crosstrain_native_build", path)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(module)
-    return module.ext_modules()
+    return module.ext_modules(), {"build_ext": module.cached_build_ext()}
 
 
 packages, package_dir = _packages()
-setup(packages=packages, package_dir=package_dir, ext_modules=_ext_modules())
+ext_modules, cmdclass = _native()
+setup(packages=packages, package_dir=package_dir, ext_modules=ext_modules, cmdclass=cmdclass)

@@ -77,7 +77,7 @@ def main() -> None:
         ce = _fit(student, root / "ce")
         kd = _fit([*student, "train.recipe=distill", f"distill.teacher={root / 'teacher'}",
                    f"distill.loss={args.loss}", f"distill.alpha={args.alpha}",
-                   f"distill.temperature={args.temperature}", f"distill.top_k_logits={args.top_k}"], root / "kd")
+                   f"distill.loss_temperature={args.temperature}", f"distill.top_k_logits={args.top_k}"], root / "kd")
         ce_eval, kd_eval = _last_eval(root / "ce"), _last_eval(root / "kd")
     ce_nll, kd_nll = ce_eval["eval/loss"], kd_eval["eval/nll/student"]
     ratio_time = kd["median_step_time_s"] / ce["median_step_time_s"]

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from crosstrain.backend import Backend
     from crosstrain.engine.context import RunContext
+    from crosstrain.engine.evaluate_tasks import TaskRequest
     from crosstrain.engine.recipe import Recipe
 
 
@@ -121,6 +122,14 @@ def crosstrain_eval_variants(config: Any) -> dict[str, Callable[[torch.nn.Module
     ``eval/<name>/<metric>``: ``{name: enter}``, where ``enter(module)`` returns a context manager the evaluation
     runs inside, entered for every model of the run (QAT's ``fp``: fake quantisation off). Return ``{}`` when the
     config asks for none; a raising plugin stops the run."""
+
+
+@hookspec(firstresult=True)
+def crosstrain_score_tasks(request: TaskRequest) -> dict[str, Any] | None:
+    """Score benchmark tasks (lm-evaluation-harness names or task YAML files) on ``request.model``: return
+    ``{"scores": {"<task>/<metric>": value}, "samples": {task: [per-item records]}}``. Called by ``crosstrain eval
+    --tasks`` and at each evaluation of a run with ``eval.tasks`` (reported as ``eval/<task>/<metric>``); the
+    evaluate plugin implements it. A raising plugin stops the run."""
 
 
 @hookspec

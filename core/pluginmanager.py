@@ -1,16 +1,19 @@
 """The plugin manager: loads every plugin registered under the ``crosstrain`` entry-point group.
 
 A plugin that fails to import is recorded in :func:`load_errors` and skipped; it never breaks
-``import crosstrain`` or the other plugins.
+``import crosstrain`` or the other plugins. Nothing is imported until a hook is first called: ``import crosstrain``
+and the CLI's start read only the entry points' names (:mod:`importlib.metadata`), and the CLI's parser imports
+only the plugins whose module names ``crosstrain_add_commands`` (:func:`plugins_for`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, cast
 
 import pluggy
@@ -36,9 +39,13 @@ _manager: pluggy.PluginManager | None = None
 _errors: list[PluginLoadError] = []
 
 
-def _load_entry_points(pm: pluggy.PluginManager) -> None:
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        if pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+def _entry_points() -> list[EntryPoint]:
+    return sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+
+
+def _load_entry_points(pm: pluggy.PluginManager, only: Callable[[EntryPoint], bool] = lambda ep: True) -> None:
+    for ep in _entry_points():
+        if pm.has_plugin(ep.name) or pm.is_blocked(ep.name) or not only(ep):
             continue
         try:
             plugin = ep.load()
@@ -49,8 +56,17 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
 
 def record_error(name: str, exc: BaseException | str) -> None:
     text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    if PluginLoadError(name, text) in _errors:  # the CLI's parser and the run both tried to load it
+        return
     _errors.append(PluginLoadError(name, text))
     log.warning("crosstrain plugin %r failed: %s", name, text)
+
+
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.hook.crosstrain_add_hookspecs.call_historic(kwargs={"pluginmanager": pm})
+    return pm
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -58,12 +74,38 @@ def plugin_manager() -> pluggy.PluginManager:
     global _manager
     with _lock:
         if _manager is None:
-            pm = pluggy.PluginManager(hookspecs.PROJECT)
-            pm.add_hookspecs(hookspecs)
-            pm.hook.crosstrain_add_hookspecs.call_historic(kwargs={"pluginmanager": pm})
+            pm = _new_manager()
             _load_entry_points(pm)
             _manager = pm
         return _manager
+
+
+def names_hook(ep: EntryPoint, hook_name: str) -> bool:
+    """Whether the module behind ``ep`` may implement ``hook_name``: its source text names the hook (an
+    implementation, an import of one or a ``specname=``), read without importing it. A module without readable
+    source counts as implementing it, so a plugin is never left out, only imported when it need not be."""
+    try:
+        spec = importlib.util.find_spec(ep.module)
+        origin = spec.origin if spec is not None else None
+        if origin is None or not origin.endswith(".py"):
+            return True
+        with open(origin, encoding="utf-8") as f:
+            return hook_name in f.read()
+    except (ImportError, OSError, ValueError, UnicodeDecodeError):
+        return True  # loading it shows (and records) what is wrong
+
+
+def plugins_for(hook_name: str) -> pluggy.PluginManager:
+    """A plugin manager for one light question (the CLI's commands, the config's sections): the process-wide one
+    when it exists (plugins registered in-process included), else one holding only the plugins that may implement
+    ``hook_name`` (:func:`names_hook`), so that ``crosstrain --help`` does not import every backend, and torch with
+    it. A plugin that fails to load is recorded as usual."""
+    with _lock:
+        if _manager is not None:
+            return _manager
+    pm = _new_manager()
+    _load_entry_points(pm, only=lambda ep: names_hook(ep, hook_name))
+    return pm
 
 
 def register(plugin: Any, name: str | None = None) -> None:
@@ -91,31 +133,32 @@ def _in_call_order(impls: list[HookImpl]) -> list[HookImpl]:
     return first + [i for i in impls if not (i.tryfirst or i.trylast)] + last
 
 
-def _hook_impls(hook_name: str) -> list[HookImpl]:
-    caller = getattr(plugin_manager().hook, hook_name, None)
+def _hook_impls(hook_name: str, pm: pluggy.PluginManager | None = None) -> list[HookImpl]:
+    caller = getattr((pm or plugin_manager()).hook, hook_name, None)
     return [] if caller is None else list(caller.get_hookimpls())  # pluggy lists them registration order
 
 
-def ordered_impls(hook_name: str) -> list[HookImpl]:
+def ordered_impls(hook_name: str, pm: pluggy.PluginManager | None = None) -> list[HookImpl]:
     """A hook's implementations in call order: ``tryfirst`` ones, then the rest in registration order (first
     registered first), then ``trylast`` ones. pluggy itself calls last-registered first; crosstrain
     documents and uses registration order, so model transforms apply in the order plugins were added.
     Wrappers are not in this list: :func:`call_each` and :func:`call_strict` run them around it."""
-    return _in_call_order([i for i in _hook_impls(hook_name) if not (i.hookwrapper or i.wrapper)])
+    return _in_call_order([i for i in _hook_impls(hook_name, pm) if not (i.hookwrapper or i.wrapper)])
 
 
-def hook_wrappers(hook_name: str) -> list[HookImpl]:
+def hook_wrappers(hook_name: str, pm: pluggy.PluginManager | None = None) -> list[HookImpl]:
     """A hook's wrappers (``wrapper=True`` or old-style ``hookwrapper=True``), outermost first."""
-    return _in_call_order([i for i in _hook_impls(hook_name) if i.hookwrapper or i.wrapper])
+    return _in_call_order([i for i in _hook_impls(hook_name, pm) if i.hookwrapper or i.wrapper])
 
 
-def _is_firstresult(hook_name: str) -> bool:
-    caller = getattr(plugin_manager().hook, hook_name, None)
+def _is_firstresult(hook_name: str, pm: pluggy.PluginManager) -> bool:
+    caller = getattr(pm.hook, hook_name, None)
     return bool(caller is not None and caller.spec is not None and caller.spec.opts.get("firstresult"))
 
 
 def _call(hook_name: str, kwargs: dict[str, Any], on_impl_error: Callable[[HookImpl, Exception], None],
-          on_wrapper_error: Callable[[HookImpl, Exception], None]) -> list[tuple[str, Any]]:
+          on_wrapper_error: Callable[[HookImpl, Exception], None],
+          pm: pluggy.PluginManager | None = None) -> list[tuple[str, Any]]:
     """Every implementation in :func:`ordered_impls` order inside the hook's wrappers (the outermost first).
 
     A wrapper gets the list of results at its ``yield`` (an old-style one a ``pluggy.Result``) and may replace
@@ -124,10 +167,11 @@ def _call(hook_name: str, kwargs: dict[str, Any], on_impl_error: Callable[[HookI
     """
     from crosstrain.errors import PluginError
 
-    first_only = _is_firstresult(hook_name)
+    pm = pm or plugin_manager()
+    first_only = _is_firstresult(hook_name, pm)
     started: list[tuple[HookImpl, Generator[Any, Any, Any]]] = []
     error: BaseException | None = None
-    for wrapper in hook_wrappers(hook_name):
+    for wrapper in hook_wrappers(hook_name, pm):
         try:
             gen = cast(Generator[Any, Any, Any], wrapper.function(**{k: kwargs[k] for k in wrapper.argnames}))
             next(gen)
@@ -141,7 +185,7 @@ def _call(hook_name: str, kwargs: dict[str, Any], on_impl_error: Callable[[HookI
         started.append((wrapper, gen))
     results: list[tuple[str, Any]] = []
     try:
-        for impl in ordered_impls(hook_name) if error is None else []:
+        for impl in ordered_impls(hook_name, pm) if error is None else []:
             try:
                 value = impl.function(**{k: kwargs[k] for k in impl.argnames})
             except Exception as exc:
@@ -191,12 +235,13 @@ def _call(hook_name: str, kwargs: dict[str, Any], on_impl_error: Callable[[HookI
 
 
 def call_each(hook_name: str, *, on_error: Callable[[str, BaseException], None] | None = None,
-              **kwargs: Any) -> list[tuple[str, Any]]:
+              manager: pluggy.PluginManager | None = None, **kwargs: Any) -> list[tuple[str, Any]]:
     """Call a hook on every plugin separately, so one raising plugin is reported and the rest still run.
 
     Returns ``(plugin_name, result)`` for every implementation that returned without raising, in
     :func:`ordered_impls` order, inside the hook's wrappers (see :func:`_call`); ``on_error(plugin_name, exc)``
     hears of each implementation or wrapper that raised (a raising wrapper leaves the results as they were).
+    ``manager`` calls it on another plugin manager than the process-wide one (:func:`plugins_for`).
     """
 
     def report(impl: HookImpl, exc: Exception) -> None:
@@ -204,7 +249,7 @@ def call_each(hook_name: str, *, on_error: Callable[[str, BaseException], None] 
         if on_error is not None:
             on_error(impl.plugin_name, exc)
 
-    return _call(hook_name, kwargs, report, report)
+    return _call(hook_name, kwargs, report, report, manager)
 
 
 def call_strict(hook_name: str, what: str, **kwargs: Any) -> list[tuple[str, Any]]:

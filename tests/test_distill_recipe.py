@@ -21,7 +21,8 @@ STUDENT = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "train.batch_s
            "optim.lr=1e-2", "schedule.warmup_steps=2"]
 TEACHER = ["model.dim=48", "model.n_layers=2", "model.n_heads=4", "train.batch_size=4", "train.seq_len=32",
            "eval.every=0", "logging.progress=none", "backend=cpu", "optim.lr=1e-2", "train.steps=4"]
-KD = ["distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2", "distill.top_k_logits=16", "distill.alpha=0.5"]
+KD = ["distill.loss=jsd", "distill.beta=0.3", "distill.loss_temperature=2", "distill.top_k_logits=16",
+      "distill.alpha=0.5"]
 
 
 def _env() -> dict[str, str]:
@@ -152,7 +153,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(teacher, tmp_path, capsys) ->
     file = save_safetensors(LoadedModel(other, other.config, tokenizer_metadata(other.config), "test"),
                             tmp_path / "other_vocab.safetensors")
     assert "vocabulary of 300 tokens but the student has 256" in _bad(tmp_path, capsys, f"distill.teacher={file}")
-    for key, value in (("temperature", "0"), ("temperature", "-1"), ("alpha", "1.5"), ("alpha", "-0.1"),
+    for key, value in (("loss_temperature", "0"), ("loss_temperature", "-1"), ("alpha", "1.5"), ("alpha", "-0.1"),
                        ("beta", "2"), ("on_policy", "1.1"), ("loss", "kl")):
         assert f"distill.{key}" in _bad(tmp_path, capsys, f"distill.teacher={teacher}", f"distill.{key}={value}")
     assert "unset distill.cache" in _bad(tmp_path, capsys, f"distill.cache={file}", "distill.on_policy=0.5")

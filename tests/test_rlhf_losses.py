@@ -49,7 +49,7 @@ LOGPS = (torch.tensor([-4.0]), torch.tensor([-6.0]), torch.tensor([-5.0]), torch
 
 @pytest.mark.parametrize("loss_type,eps,expected", [
     ("sigmoid", 0.0, -math.log(_sig(0.2))),
-    ("sigmoid", 0.1, -0.9 * math.log(_sig(0.2)) - 0.1 * math.log(_sig(-0.2))),
+    ("cdpo", 0.1, -0.9 * math.log(_sig(0.2)) - 0.1 * math.log(_sig(-0.2))),
     ("hinge", 0.0, 1 - 0.2),
     ("robust", 0.1, (-0.9 * math.log(_sig(0.2)) + 0.1 * math.log(_sig(-0.2))) / 0.8),
 ])
@@ -64,7 +64,7 @@ def test_ipo_averages_per_token():
     loss, chosen, rejected = dpo_loss(*LOGPS, *lengths, beta=0.5, loss_type="ipo")
     h = (-4 / 2 + 5 / 2) - (-6 / 4 + 5 / 4)  # 0.5 + 0.25
     assert loss.item() == pytest.approx((h - 1 / (2 * 0.5)) ** 2)
-    assert chosen.item() == pytest.approx(0.5 * 0.5) and rejected.item() == pytest.approx(0.5 * -0.25)
+    assert chosen.item() == pytest.approx(0.5 * 1.0) and rejected.item() == pytest.approx(0.5 * -1.0)  # summed
     with pytest.raises(ValueError, match="lengths"):
         dpo_loss(*LOGPS, beta=0.5, loss_type="ipo")
 
@@ -81,7 +81,7 @@ def test_equal_policy_and_reference_is_log_2():
     assert loss.tolist() == pytest.approx([math.log(2)] * 2)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "robust"])
+@pytest.mark.parametrize("loss_type", ["cdpo", "hinge", "ipo", "robust"])
 def test_dpo_gradcheck(loss_type):
     g = torch.Generator().manual_seed(0)
     pc, pr = (torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))

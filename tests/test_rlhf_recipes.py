@@ -107,6 +107,7 @@ def test_dpo_from_sft_run_matches_on_two_ranks_and_with_grad_accum(sft_run, tmp_
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), run
         for ma, mb in zip(_metrics(tmp_path / "one"), _metrics(tmp_path / run), strict=True):
             assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5, abs=1e-6), run
+            assert ma["tokens"] == mb["tokens"], run  # real tokens summed over the ranks (padding is per rank)
         w2 = _weights(tmp_path / run)
         for name in w1:
             torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-5)

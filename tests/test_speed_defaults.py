@@ -103,9 +103,11 @@ def test_compile_policy(tmp_path, monkeypatch) -> None:
     assert not decide("auto", tp2, True, 4000, 1.0, "k").enabled  # a layout that does not compile
     assert not decide("auto", one, False, 4000, 1.0, "k").enabled  # no block units
     assert decide(True, one, True, 1, 0.0, "k").enabled and not decide(False, one, True, 4000, 1.0, "k").enabled
-    fast_defaults.write_record("k", 12.5)
-    warm = decide("auto", one, True, 10, 0.01, "k")
-    assert warm.enabled and "warm compile cache" in warm.reason
+    fast_defaults.write_record("k", compile_s=12.5)
+    assert not decide("auto", one, True, 10, 0.01, "k").enabled  # a warm cache alone does not make it pay
+    fast_defaults.write_record("k", eager_step_s=1.0, compiled_step_s=0.5)
+    warm = decide("auto", one, True, 100, 0.01, "k")  # 100 x 0.5 s saved > 12.5 s measured compile
+    assert warm.enabled and warm.saving_s == 50.0 and warm.estimate_s == 12.5
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     cache_dir()  # torch writes its /tmp default into the variable; the per-user dir still replaces it

@@ -16,7 +16,7 @@ from crosstrain.fault.peer_loss import EXIT_PEER_LOST, is_peer_loss
 
 #: core subcommand modules under ``crosstrain.cli.commands``; each defines ``add_parser(subparsers)``.
 CORE_COMMANDS = ("train", "eval", "data", "tokenizer", "checkpoint", "backends", "plugins", "kernels",
-                 "doctor", "models")
+                 "doctor", "models", "config")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +26,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"crosstrain: error: {self.prog}: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _needs_plugin_commands(argv: Sequence[str] | None) -> bool:
+    """Whether parsing ``argv`` needs the plugins' commands: always but for ``crosstrain --version``, since a plugin
+    may add flags to a core command too (``train --profile-steps``). Only the plugins that add commands are imported,
+    and their CLI modules import nothing heavy (tests/test_cli_startup.py)."""
+    if argv is None:
+        return True
+    return not ("--version" in argv and all(a.startswith("-") for a in argv))
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of ``crosstrain``; with ``argv``, what parsing it needs (see :func:`_needs_plugin_commands`).
+    Every command module imports its heavy dependencies (torch, transformers) inside the function that runs it."""
     parser = _Parser(prog="crosstrain", description="Train on whatever accelerator you have.")
     parser.add_argument("--version", action="version", version=f"crosstrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log plugin discovery and backend choice")
@@ -40,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.add_parser(sub)
-    from crosstrain import pluginmanager
+    if _needs_plugin_commands(argv):
+        from crosstrain import pluginmanager
 
-    pluginmanager.call_each("crosstrain_add_commands", subparsers=sub)
+        commands = pluginmanager.plugins_for("crosstrain_add_commands")  # not the backends: no torch
+        pluginmanager.call_each("crosstrain_add_commands", subparsers=sub, manager=commands)
     return parser
 
 
@@ -62,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.formatwarning = _format_warning
     logging.basicConfig(level=logging.INFO if "-v" in args_list or "--verbose" in args_list else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
+    parser = build_parser(args_list)
     args = parser.parse_args(args_list)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -16,12 +16,13 @@ from crosstrain.config.toml_io import dumps_toml, parse_value, read_toml
 from crosstrain.errors import ConfigError
 
 
-def plugin_sections() -> dict[str, type[BaseModel]]:
-    """``{name: model}`` from every plugin's ``crosstrain_config_sections`` hook (core names cannot be taken)."""
+def plugin_sections(manager: Any = None) -> dict[str, type[BaseModel]]:
+    """``{name: model}`` from every plugin's ``crosstrain_config_sections`` hook (core names cannot be taken);
+    ``manager``: ask another plugin manager than the process-wide one (:func:`crosstrain.pluginmanager.plugins_for`)."""
     from crosstrain import pluginmanager
 
     found: dict[str, type[BaseModel]] = {}
-    for plugin_name, result in pluginmanager.call_each("crosstrain_config_sections"):
+    for plugin_name, result in pluginmanager.call_each("crosstrain_config_sections", manager=manager):
         for name, model in (result or {}).items():
             if name in CORE_SECTIONS or name == "backend" or name in found:
                 pluginmanager.record_error(plugin_name, f"config section {name!r} is already taken")
@@ -84,9 +85,11 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     return config_from_dict(raw)
 
 
-def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Validate a nested dict (as read from TOML) into a :class:`Config`."""
-    extra = plugin_sections()
+def config_from_dict(raw: dict[str, Any], sections: dict[str, type[BaseModel]] | None = None,
+                     checks: bool = True) -> Config:
+    """Validate a nested dict (as read from TOML) into a :class:`Config`: the plugins' ``sections`` (default: every
+    plugin's), then, with ``checks``, :func:`check_static` (which builds the model family: torch)."""
+    extra = plugin_sections() if sections is None else sections
     core_raw: dict[str, Any] = {}
     plugin_raw: dict[str, Any] = {}
     for key, value in raw.items():
@@ -111,7 +114,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         except ValidationError as exc:
             raise ConfigError(_format_error(exc, prefix=name, model=model)) from None
     config.plugins = plugins
-    check_static(config)
+    if checks:
+        check_static(config)
     return config
 
 
@@ -219,11 +223,14 @@ def check_world(config: Config, world_size: int, memory_per_rank: int = 0) -> An
 
 
 def save_config(config: Config, folder: str | os.PathLike[str]) -> None:
-    """Write the effective config as ``config.toml`` and ``config.json`` into ``folder``, each atomically
+    """Write the effective config as ``config.toml`` (each key's description, type and default as a comment above
+    it) and ``config.json`` into ``folder``, each atomically
     (a reader, or a run killed mid-write, sees the old file or the new one, never half of one)."""
     from crosstrain.checkpoint.manifest import atomic_write
+    from crosstrain.config.reference import comments
 
     data = config.to_dict()
     folder = Path(folder)
-    atomic_write(folder / "config.toml", dumps_toml(data).encode())
+    notes = comments(config, {name: type(section) for name, section in config.plugins.items()})
+    atomic_write(folder / "config.toml", dumps_toml(data, notes).encode())
     atomic_write(folder / "config.json", (json.dumps(data, indent=2) + "\n").encode())

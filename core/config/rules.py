@@ -53,6 +53,10 @@ CORE_RULES = (
     Rule("compile-tp", "core", "`parallel.compile = true` with `parallel.tp > 1`", "set compile=false or tp=1",
          lambda c, d: c.parallel.compile is True and d.tp > 1,
          lambda c, d: "parallel.compile with parallel.tp > 1 fails in this torch build"),
+    Rule("eval-tasks-world", "core", "`eval.tasks` with more than one process",
+         "train with one process, or score the checkpoint after training: crosstrain eval RUN --tasks ...",
+         lambda c, d: bool(c.eval.tasks) and d.world_size > 1,
+         lambda c, d: f"eval.tasks are scored in one process, and this run has {d.world_size}"),
 )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Section(BaseModel):
@@ -21,9 +21,9 @@ class Section(BaseModel):
 class TrainConfig(Section):
     steps: int = Field(default=400, ge=1, description="optimizer steps")
     recipe: str = Field(default="lm", description='what is trained and how: "lm" (pretraining) or a plugin\'s recipe')
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, description="seeds the weights' init, the data order and dropout")
     batch_size: int = Field(default=16, ge=1, description="global sequences per optimizer step")
-    seq_len: int = Field(default=128, ge=2)
+    seq_len: int = Field(default=128, ge=2, description="tokens per training sequence")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step on each rank")
     output_dir: str = Field(default="runs", description="run dirs are created as <output_dir>/<timestamp>/")
     threads: int = Field(default=0, ge=0, description="host intra-op threads; 0 = auto (1 for models under 20M params "
@@ -31,20 +31,25 @@ class TrainConfig(Section):
 
 
 class ModelConfig(Section):
-    preset: str = "tiny"
+    preset: str = Field(default="tiny", description="the model shape by name (`crosstrain models` lists each "
+                                                    "family's presets); model.* keys override its fields")
     source: Literal["auto", "native", "transformers"] = Field(
         default="auto", description='"auto": a native family when model.init_from\'s model_type has one, else the '
         'generic transformers path; "native": always crosstrain\'s own model; "transformers": any '
         "AutoModelForCausalLM (docs/models.md)")
     import_path: str = Field(default="", description='user model "pkg.module:build"; build(model_section) -> nn.Module')
-    vocab_size: int | None = Field(default=None, ge=2)
-    dim: int | None = Field(default=None, ge=1)
-    n_layers: int | None = Field(default=None, ge=1)
-    n_heads: int | None = Field(default=None, ge=1)
-    n_kv_heads: int | None = Field(default=None, ge=0)
-    ffn_dim: int | None = Field(default=None, ge=0)
-    max_seq_len: int | None = Field(default=None, ge=1)
-    tie_embeddings: bool | None = None
+    vocab_size: int | None = Field(default=None, ge=2, description="vocabulary size (unset: the preset's, or "
+                                                                   "data.tokenizer's)")
+    dim: int | None = Field(default=None, ge=1, description="hidden size (unset: the preset's)")
+    n_layers: int | None = Field(default=None, ge=1, description="transformer blocks (unset: the preset's)")
+    n_heads: int | None = Field(default=None, ge=1, description="attention heads (unset: the preset's)")
+    n_kv_heads: int | None = Field(default=None, ge=0, description="key/value heads, fewer than n_heads for "
+                                                                   "grouped-query attention (unset: the preset's)")
+    ffn_dim: int | None = Field(default=None, ge=0, description="hidden size of the MLP (unset: the preset's)")
+    max_seq_len: int | None = Field(default=None, ge=1, description="longest sequence the positions cover (unset: "
+                                                                    "the preset's)")
+    tie_embeddings: bool | None = Field(default=None, description="share the input embedding and output projection "
+                                                                  "weights (unset: the preset's)")
     qkv_bias: bool | None = Field(default=None, description="biases on the q/k/v projections (as in Qwen2)")
     sliding_window: int | None = Field(default=None, ge=0, description="each token attends to at most this many "
                                        "tokens, itself included (Mistral-style); 0 = full causal attention")
@@ -56,7 +61,7 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     path: str = Field(default="", description='token file from "crosstrain data prepare" ("" = the embedded corpus)')
-    shuffle: bool = True
+    shuffle: bool = Field(default=True, description="shuffle the training sequences (seeded by train.seed)")
     val_fraction: float = Field(default=0.05, ge=0, lt=1, description="share of documents held out for evaluation "
                                 "(whole documents from the end of the data)")
     val_path: str = Field(default="", description="a separate validation token file (replaces the held-out split)")
@@ -69,14 +74,16 @@ class DataConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(default=3e-3, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
+    name: Literal["adamw", "sgd"] = Field(default="adamw", description="the optimizer")
+    lr: float = Field(default=3e-3, gt=0, description="peak learning rate (after warmup, see [schedule])")
+    weight_decay: float = Field(default=0.1, ge=0, description="decoupled weight decay (AdamW) or L2 penalty (SGD)")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        default=(0.9, 0.95), description="AdamW's decay rates of the first and second moment estimates")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW's term added to the denominator")
     momentum: float = Field(default=0.9, ge=0, description="SGD only")
     grad_clip: float = Field(default=1.0, ge=0, description="max global grad norm (0 = no clipping)")
-    offload: bool = False
+    offload: bool = Field(default=False, description="keep fp32 master weights and optimizer state in host memory "
+                                                     "and step there (docs/native_kernels.md)")
     impl: Literal["auto", "torch", "native"] = Field(default="auto", description='"auto": the backend\'s fastest '
                                                      'step matching torch.optim (native fused on the CPU, torch '
                                                      'fused=True on accelerators); "torch": torch.optim; "native": '
@@ -84,25 +91,30 @@ class OptimConfig(Section):
 
 
 class ScheduleConfig(Section):
-    name: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(default=20, ge=0)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    name: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="learning-rate decay after warmup, down to min_lr_ratio x optim.lr")
+    warmup_steps: int = Field(default=20, ge=0, description="steps of linear warmup from 0 to optim.lr")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final learning rate as a share of optim.lr")
     total_steps: int = Field(default=0, ge=0, description="steps the schedule spans; 0 = train.steps. Set the "
                              "final length when a run trains in parts (resumed to a larger train.steps, PBT rounds) so "
                              "the decay does not restart")
 
 
 class ParallelConfig(Section):
-    dp_replicate: int = Field(default=1, ge=1)
+    dp_replicate: int = Field(default=1, ge=1, description="data-parallel replicas (each holds the whole model; DDP, "
+                                                           "or HSDP with dp_shard > 1)")
     dp_shard: int = Field(default=-1, ge=-1, description="-1 = whatever the other dims leave of the world size")
-    tp: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1, description="tensor-parallel degree")
+    pp: int = Field(default=1, ge=1, description="pipeline-parallel stages")
     ep: int = Field(default=1, ge=1, description="expert parallel; carved from dp_shard, so it must divide it")
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b"] = Field(default="1f1b", description="pipeline schedule (with pp > 1)")
     pp_microbatches: int = Field(default=0, ge=0, description="0 = one per pipeline stage")
-    activation_checkpoint: str = Field(default="none", pattern=r"^(none|full|every:[1-9][0-9]*)$")
-    compile: Literal["auto"] | bool = Field(default="auto", description='"auto": compile when the run is long '
-                                            "enough to amortise it or the compile cache is warm, never on a layout "
+    activation_checkpoint: str = Field(default="none", pattern=r"^(none|full|every:[1-9][0-9]*)$",
+                                       description='recompute activations in the backward pass: "none", "full" '
+                                       '(every block) or "every:N" (every Nth block)')
+    compile: Literal["auto"] | bool = Field(default="auto", description='"auto": compile when the saving over '
+                                            "the run's steps (recorded per model shape + layout, else estimated) "
+                                            "exceeds the compile time (recorded, else a cold ~40 s), never on a layout "
                                             "that does not compile (tp > 1), not by itself with pp/ep > 1; "
                                             "true / false force it")
     layout: Literal["auto", "ddp", "fsdp"] = Field(default="auto", description="with parallel.dp_shard=-1: "
@@ -111,18 +123,21 @@ class ParallelConfig(Section):
 
 
 class PrecisionConfig(Section):
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(default="fp32", description="compute dtype (bf16/fp16: autocast; "
+                                                                               "fp16 with a dynamic loss scale)")
     init_loss_scale: float = Field(default=2.0**16, gt=0, description="fp16 only")
     loss_scale_growth_interval: int = Field(default=2000, ge=1, description="fp16 only")
 
 
 class CheckpointConfig(Section):
     every: int = Field(default=0, ge=0, description="save every N steps (0 = off)")
-    keep_last: int = Field(default=3, ge=1)
-    keep_every: int = Field(default=0, ge=0)
+    keep_last: int = Field(default=3, ge=1, description="checkpoints kept, newest first (older ones are deleted)")
+    keep_every: int = Field(default=0, ge=0, description="also keep every checkpoint whose step is a multiple of N "
+                                                         "(0 = off)")
     keep_best: bool = Field(default=False, description="retention never deletes the checkpoint with the best eval "
                             "loss (evaluated at every save)")
-    async_save: bool = Field(default=False, alias="async")
+    async_save: bool = Field(default=False, alias="async", description="write checkpoints in the background while "
+                                                                       "training goes on")
     final: bool = Field(default=True, description="save a checkpoint when the run ends (a preempted run always saves)")
     resume: str = Field(default="auto", description='"auto" (latest in the run dir), "never", or a checkpoint path')
 
@@ -131,23 +146,46 @@ class EvalConfig(Section):
     every: int = Field(default=100, ge=0, description="evaluate every N steps and after the last (0 = off)")
     steps: int = Field(default=0, ge=0, description="batches per evaluation (0 = the whole validation split)")
     batch_size: int = Field(default=0, ge=0, description="sequences per eval batch (0 = train.batch_size)")
+    tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks scored at each "
+                             "evaluation (registered names or local task YAML paths; needs crosstrain[eval]), "
+                             "reported as eval/<task>/<metric>")
+    tasks_limit: int | None = Field(default=None, ge=1, description="score only the first N items of each of "
+                                    "eval.tasks (None = all)")
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_runnable(cls, tasks: list[str]) -> list[str]:
+        import importlib.util
+        from pathlib import Path
+
+        if tasks and importlib.util.find_spec("lm_eval") is None:
+            raise ValueError("eval.tasks needs lm-evaluation-harness; pip install 'crosstrain[eval]'")
+        for task in tasks:
+            if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
+                raise ValueError(f"task file {task!r} does not exist; give an lm-eval task YAML path or a name")
+        return tasks
 
 
 class FaultConfig(Section):
     max_consecutive_nonfinite: int = Field(default=3, ge=1, description="roll back after N skipped steps in a row")
     max_rollbacks: int = Field(default=3, ge=0, description="stop with an error when training diverges again after "
                                "N rollbacks in one run")
-    collective_timeout_s: float = Field(default=600.0, gt=0)
+    collective_timeout_s: float = Field(default=600.0, gt=0, description="seconds a collective waits for the other "
+                                                                         "ranks before the process group times out")
 
 
 class LoggingConfig(Section):
     every: int = Field(default=10, ge=1, description="print a line every N steps (no TTY)")
-    progress: Literal["auto", "rich", "plain", "none"] = "auto"
-    tensorboard: bool = True
+    progress: Literal["auto", "rich", "plain", "none"] = Field(
+        default="auto", description='progress display: "auto" = rich on a TTY, else plain lines')
+    tensorboard: bool = Field(default=True, description="write TensorBoard event files into the run dir (when "
+                                                        "TensorBoard is installed)")
 
 
 class KernelsConfig(Section):
-    mode: Literal["auto", "reference"] = "auto"
+    mode: Literal["auto", "reference"] = Field(default="auto", description='"auto": the backend\'s fast '
+                                               'kernels where registered; "reference": plain torch everywhere '
+                                               "(as CROSSTRAIN_KERNELS=reference)")
 
 
 #: core sections, in the order they are written to config.toml.
@@ -172,7 +210,8 @@ class Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    backend: str = "auto"
+    backend: str = Field(default="auto", description='"auto" (the available backend with the highest '
+                         "priority, `crosstrain backends`) or a backend by name")
     train: TrainConfig = Field(default_factory=TrainConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

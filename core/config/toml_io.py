@@ -1,4 +1,4 @@
-"""Minimal TOML reading (tomllib/tomli) and writing for configs: scalars, lists and nested tables."""
+"""Minimal TOML reading (tomllib/tomli) and writing for configs: scalars, lists and nested tables, with comments."""
 
 from __future__ import annotations
 
@@ -57,25 +57,35 @@ def _scalar(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
-def _table(lines: list[str], prefix: str, data: dict[str, Any]) -> None:
+def _comment(lines: list[str], comments: dict[str, str], path: str) -> None:
+    text = " ".join(comments.get(path, "").split())
+    if text:
+        lines.append(f"# {text}")
+
+
+def _table(lines: list[str], prefix: str, data: dict[str, Any], comments: dict[str, str], path: str = "") -> None:
     tables = {k: v for k, v in data.items() if isinstance(v, dict)}
     for key, value in data.items():
         if value is None or isinstance(value, dict):
             continue  # TOML has no null: unset optional keys are omitted
+        _comment(lines, comments, f"{path}.{key}" if path else key)
         lines.append(f"{_key(key)} = {_scalar(value)}")
     for key, value in tables.items():
         name = f"{prefix}.{_key(key)}" if prefix else _key(key)
         lines.append("")
+        if path:  # a section's own comment would say nothing; a table inside one (model.options) has its key's
+            _comment(lines, comments, f"{path}.{key}")
         lines.append(f"[{name}]")
-        _table(lines, name, value)
+        _table(lines, name, value, comments, f"{path}.{key}" if path else key)
 
 
 def _key(key: str) -> str:
     return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
 
 
-def dumps_toml(data: dict[str, Any]) -> str:
-    """Serialise nested dicts to TOML text (``None`` values are left out)."""
+def dumps_toml(data: dict[str, Any], comments: dict[str, str] | None = None) -> str:
+    """Serialise nested dicts to TOML text (``None`` values are left out); ``comments`` (``{dotted key: text}``)
+    go above their keys as ``# text`` lines, so the file reads as its own reference and parses the same."""
     lines: list[str] = []
-    _table(lines, "", data)
+    _table(lines, "", data, comments or {})
     return "\n".join(lines).lstrip("\n") + "\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -52,6 +53,11 @@ def train_bpe(
 
         docs = corpus_documents()
     tok.train_from_iterator(docs, trainer=trainer)
+    got = tok.get_vocab_size()
+    if got < vocab_size:  # BPE stops when no pair occurs min_frequency times: the corpus is too small for more
+        print(f"crosstrain: the tokenizer has {got} tokens, fewer than --vocab-size {vocab_size}: the corpus has "
+              f"no more pairs occurring >= {min_frequency} times; give more text for a larger vocabulary",
+              file=sys.stderr)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     tok.save(str(root / "tokenizer.json"))

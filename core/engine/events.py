@@ -54,7 +54,8 @@ class Events:
         self.emit(step, "plugin_error", {"message": message, "plugin": plugin, "error": error, "fatal": False})
 
     def open_sinks(
-        self, config: Config, run_dir: Path, world_size: int, resume_step: int, data_split: dict[str, Any]
+        self, config: Config, run_dir: Path, world_size: int, resume_step: int, data_split: dict[str, Any],
+        headline: tuple[str, ...] = (),
     ) -> None:
         """Rank 0: the run's sinks, opened at ``resume_step`` (a resumed run drops later records: rolled-back
         work), and ``data_split.json``; then the events that came early."""
@@ -76,9 +77,9 @@ class Events:
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         if mode == "rich":
-            self.metrics.add(RichProgressSink(config.train.steps, resume_step))
+            self.metrics.add(RichProgressSink(config.train.steps, resume_step, headline=headline))
         elif mode == "plain":
-            self.metrics.add(PlainConsoleSink(config.train.steps, cfg.every))
+            self.metrics.add(PlainConsoleSink(config.train.steps, cfg.every, headline=headline))
         if cfg.tensorboard and tensorboard_available():
             self.metrics.add(TensorBoardSink(run_dir / "tensorboard", resume_step=resume_step or None))
         for sink in plugin_sinks:

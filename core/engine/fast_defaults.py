@@ -1,11 +1,14 @@
 """What the fast defaults chose, and why: ``parallel.compile = "auto"``, the kernels, and the report.
 
-``parallel.compile = "auto"`` compiles when it pays: the compile cache already holds this model (a run of the
-same model and layout compiled before: torch's on-disk inductor, FX-graph and AOTAutograd caches live under the
-user's cache directory, so a second run loads the kernels instead of generating them), or the run is long
-enough that the expected saving covers the compile. Never on a layout that does not compile (``tp > 1``, see
-:func:`crosstrain.parallel.parallelize`), nor by itself on pipeline or expert parallel layouts (untested with
-compile), nor on a model without block units to compile.
+``parallel.compile = "auto"`` compiles when it pays: when the time compile is expected to save over the run's
+steps exceeds what compiling is expected to cost (:func:`compile_pays`). Both come from a record crosstrain keeps
+next to its inductor cache for this model shape, layout, precision, batch shape and torch version
+(``~/.cache/crosstrain/compile/<key>.json``): the compile seconds the last compiled run measured (a warm compile
+once torch's on-disk inductor, FX-graph and AOTAutograd caches hold the kernels), and the median step time of
+the last compiled and the last eager run. With no record, a cold compile (:data:`COLD_COMPILE_S`) is weighed
+against :data:`EXPECTED_GAIN` of an estimated step time, which keeps short runs eager. Never on a layout that
+does not compile (``tp > 1``, see :func:`crosstrain.parallel.parallelize`), nor by itself on pipeline or expert
+parallel layouts (untested with compile), nor on a model without block units to compile.
 """
 
 from __future__ import annotations
@@ -34,9 +37,17 @@ EAGER_MFU = 0.3
 
 @dataclass(frozen=True)
 class CompileChoice:
+    """Whether the primary model is compiled, why, and (``auto``) the two figures weighed."""
+
     enabled: bool
     reason: str
     key: str = ""
+    estimate_s: float = 0.0  # what compiling this run is expected to cost
+    saving_s: float = 0.0  # what compiling is expected to save over the run's steps
+
+    @property
+    def decision(self) -> str:
+        return "compile" if self.enabled else "eager"
 
 
 def cache_root() -> Path:
@@ -91,16 +102,37 @@ def read_record(key: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def write_record(key: str, compile_s: float) -> None:
-    """Remember that ``key`` compiled (and how long the first, cold or warm, compile took)."""
+def write_record(key: str, **measured: float) -> None:
+    """Merge ``measured`` (``compile_s``, ``compiled_step_s``, ``eager_step_s``) into ``key``'s record."""
     path = _record_path(key)
+    data = {**(read_record(key) or {}), **measured, "torch": torch.__version__}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"compile_s": compile_s, "torch": torch.__version__}) + "\n")
+        tmp.write_text(json.dumps(data) + "\n")
         os.replace(tmp, path)
     except OSError:  # a read-only home: the next run decides without the record
         pass
+
+
+def compile_pays(steps: int, record: dict[str, Any] | None, est_step_s: float) -> tuple[float, float, str]:
+    """``(estimated compile cost s, estimated saving s, how)`` of compiling a run of ``steps`` steps.
+
+    Cost: the record's measured ``compile_s`` (the last compile of this key, warm once the cache holds it), else
+    :data:`COLD_COMPILE_S`. Saving: ``steps x`` the per-step saving: eager minus compiled median step time when
+    the record has both, else :data:`EXPECTED_GAIN` of the recorded eager step (or of ``est_step_s``)."""
+    rec = record or {}
+    cost = float(rec["compile_s"]) if "compile_s" in rec else COLD_COMPILE_S
+    source = "measured" if "compile_s" in rec else "cold default"
+    eager, compiled = rec.get("eager_step_s"), rec.get("compiled_step_s")
+    if eager is not None and compiled is not None:
+        per_step, how = max(float(eager) - float(compiled), 0.0), f"eager {eager:.3f} s - compiled {compiled:.3f} s"
+    elif eager is not None:
+        per_step, how = float(eager) * EXPECTED_GAIN, f"{EXPECTED_GAIN:.0%} of eager {eager:.3f} s"
+    else:
+        per_step, how = est_step_s * EXPECTED_GAIN, f"{EXPECTED_GAIN:.0%} of ~{est_step_s:.3f} s (estimated)"
+    saving = steps * per_step
+    return cost, saving, f"saving {saving:.1f} s ({steps} steps x ({how})) vs compile {cost:.1f} s ({source})"
 
 
 def decide_compile(requested: Any, dims: Any, has_units: bool, steps: int, est_step_s: float, key: str
@@ -126,17 +158,10 @@ def decide_compile(requested: Any, dims: Any, has_units: bool, steps: int, est_s
                              "parallel.compile=true forces it", key)
     if not has_units:
         return CompileChoice(False, "the model declares no block units (ac_units) to compile", key)
-    record = read_record(key)
-    if record is not None:
-        return CompileChoice(True, f"warm compile cache (this model compiled before in {record.get('compile_s', 0):.0f}"
-                             " s)", key)
-    saving = steps * est_step_s * EXPECTED_GAIN
-    if saving > COLD_COMPILE_S:
-        return CompileChoice(True, f"expected saving {saving:.0f} s ({steps} steps x ~{est_step_s:.2f} s x "
-                             f"{EXPECTED_GAIN:.0%}) > a cold compile (~{COLD_COMPILE_S:.0f} s)", key)
-    return CompileChoice(False, f"expected saving {saving:.1f} s ({steps} steps x ~{est_step_s:.3f} s x "
-                         f"{EXPECTED_GAIN:.0%}) < a cold compile (~{COLD_COMPILE_S:.0f} s); "
-                         "parallel.compile=true forces it", key)
+    cost, saving, how = compile_pays(steps, read_record(key), est_step_s)
+    if saving > cost:
+        return CompileChoice(True, how, key, cost, saving)
+    return CompileChoice(False, f"{how}; parallel.compile=true forces it", key, cost, saving)
 
 
 def kernel_choices(device_type: str) -> dict[str, str]:

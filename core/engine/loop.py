@@ -22,6 +22,22 @@ from crosstrain.engine.counters import Counters
 from crosstrain.engine.run import Run
 
 
+def step_tokens(run: Run, micro: list[Any]) -> tuple[float, float]:
+    """The step's real (non-padding) tokens and its token positions over all data-parallel ranks. Padding is
+    what the recipe's ``batch_tokens`` reports; without it every position of ``batch_size x seq_len`` counts."""
+    counted = [c for c in (run.recipe.batch_tokens(b) for b in micro) if c is not None]
+    if not counted or len(counted) < len(micro):
+        total = float(run.config.train.batch_size * run.config.train.seq_len)
+        return total, total
+    real = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=run.device) for n, _ in counted]).sum()
+    both = torch.stack([real, torch.tensor(float(sum(p for _, p in counted)), dtype=torch.float64, device=run.device)])
+    if run.world_size > 1:  # tp/pp ranks hold copies of their dp rank's batch: count each batch once
+        run.collective.all_reduce(both)
+        both /= run.world_size // run.sampler.dp_size
+    tokens, positions = both.tolist()
+    return tokens, positions
+
+
 def train_step(run: Run, counters: Counters, checkpoints: Any = None) -> dict[str, float]:
     """One optimizer step (``grad_accum`` micro-batches); returns the step's metrics. ``checkpoints``: the
     :class:`~crosstrain.checkpoint.manager.CheckpointManager` whose async save the step fences, if any."""
@@ -30,6 +46,7 @@ def train_step(run: Run, counters: Counters, checkpoints: Any = None) -> dict[st
     micro = [stepmod.to_device(run.dataset.batch(idx), run.device) for idx in run.sampler.next_step()]
     micro = recipe.prepare_step(micro, run.context)
     t_data = time.perf_counter() - t0
+    tokens, positions = step_tokens(run, micro)
     primary = run.primary
     lr = primary.schedule.lr
     ga = len(micro)
@@ -81,12 +98,13 @@ def train_step(run: Run, counters: Counters, checkpoints: Any = None) -> dict[st
         "crosstrain_after_optimizer_step", "act after the optimizer step", context=run.context, step=next_step
     )
     step_time = now - t0
-    tokens = cfg.train.batch_size * cfg.train.seq_len
     metrics: dict[str, float] = {
         "loss": loss_value,
         "lr": lr,
         "grad_norm": grad_norm,
         "step_time_s": step_time,
+        "tokens": tokens,
+        "padding_tokens": positions - tokens,
         "tokens_per_s": tokens / step_time,
         "time_data_s": t_data,
         **times,

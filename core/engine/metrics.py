@@ -100,9 +100,16 @@ def _drop_records_after(path: Path, step: int) -> None:
     atomic_write(path, "".join(kept).encode())
 
 
-def format_line(step: int, total: int, m: dict[str, float]) -> str:
-    """``step 10/240 | loss 3.2101 | lr 3.0e-03 | 41,200 tok/s | mfu 2.1% | 50 ms (...) | mem 412 MB``."""
-    parts = [f"step {step}/{total}", f"loss {m.get('loss', float('nan')):.4f}", f"lr {m.get('lr', 0.0):.1e}"]
+def format_line(step: int, total: int, m: dict[str, float], headline: tuple[str, ...] = (),
+                eval_loss: float = float("nan")) -> str:
+    """``step 10/240 | loss 3.2101 | eval 3.1920 | rewards/accuracies 0.7500 | lr 3.0e-03 | 41,200 tok/s | mfu 2.1%
+    | 50 ms (...) | mem 412 MB``: ``eval`` the last eval loss (once there is one), then the recipe's headline
+    metrics (:attr:`crosstrain.engine.recipe.Recipe.headline_metrics`) that the step reports."""
+    parts = [f"step {step}/{total}", f"loss {m.get('loss', float('nan')):.4f}"]
+    if math.isfinite(eval_loss):
+        parts.append(f"eval {eval_loss:.4f}")
+    parts += [f"{name} {m[name]:.4f}" for name in headline if name in m]
+    parts.append(f"lr {m.get('lr', 0.0):.1e}")
     if "tokens_per_s" in m:
         parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
     if "mfu" in m:
@@ -119,16 +126,24 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
 
 
 class PlainConsoleSink:
-    """A line every ``every`` steps (and on the first and last step, and on skipped steps)."""
+    """A line every ``every`` steps (and on the first and last step, on skipped steps and on eval steps), with
+    the last eval loss and the recipe's ``headline`` metrics."""
 
-    def __init__(self, total_steps: int, every: int, stream: TextIO | None = None) -> None:
+    def __init__(self, total_steps: int, every: int, stream: TextIO | None = None,
+                 headline: tuple[str, ...] = ()) -> None:
         self.total = total_steps
         self.every = every
         self.stream = stream or sys.stdout
+        self.headline = headline
+        self.eval_loss = float("nan")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        if step == 1 or step % self.every == 0 or step == self.total or metrics.get("skipped"):
-            print(format_line(step, self.total, metrics), file=self.stream, flush=True)
+        evaluated = "eval/loss" in metrics
+        if evaluated:
+            self.eval_loss = float(metrics["eval/loss"])
+        if step == 1 or step % self.every == 0 or step == self.total or metrics.get("skipped") or evaluated:
+            print(format_line(step, self.total, metrics, self.headline, self.eval_loss), file=self.stream,
+                  flush=True)
 
     def close(self) -> None:
         pass
@@ -137,7 +152,7 @@ class PlainConsoleSink:
 class RichProgressSink:
     """A rich progress bar with the latest loss, throughput and MFU."""
 
-    def __init__(self, total_steps: int, start_step: int = 0) -> None:
+    def __init__(self, total_steps: int, start_step: int = 0, headline: tuple[str, ...] = ()) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.total = total_steps
@@ -147,9 +162,15 @@ class RichProgressSink:
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
         self.progress.start()
+        self.headline = headline
+        self.eval_loss = float("nan")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.eval_loss = float(metrics.get("eval/loss", self.eval_loss))
         info = f"loss {metrics.get('loss', float('nan')):.4f}"
+        if math.isfinite(self.eval_loss):
+            info += f" | eval {self.eval_loss:.4f}"
+        info += "".join(f" | {name} {metrics[name]:.4f}" for name in self.headline if name in metrics)
         if "tokens_per_s" in metrics:
             info += f" | {metrics['tokens_per_s']:,.0f} tok/s"
         if "mfu" in metrics:

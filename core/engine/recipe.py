@@ -80,6 +80,8 @@ class Recipe:
     #: the loss is a mean token negative log-likelihood (nats), so ``exp(loss)`` is a perplexity and evaluation
     #: reports ``eval/perplexity``; a subclass that changes the loss (adds a KL term, scores pairs) sets False.
     loss_is_token_nll: ClassVar[bool] = False
+    #: the step metrics the progress line shows after the loss (e.g. DPO's ``rewards/accuracies``), TRL's names.
+    headline_metrics: ClassVar[tuple[str, ...]] = ()
 
     def validate(self, config: Config) -> None:
         """Check what a user can get wrong before any process group, file or model exists (raise ConfigError)."""
@@ -109,6 +111,15 @@ class Recipe:
         """Once per optimizer step on every rank, after the optimizer (also a skipped non-finite step) and the
         LR schedule, before the plugins' ``crosstrain_after_optimizer_step`` hook; ``step`` is the step just
         completed (federated clients exchange their update here at the end of a round)."""
+
+    def batch_tokens(self, batch: Any) -> tuple[torch.Tensor, int] | None:
+        """``(real tokens, positions)`` of one micro-batch, for tokens/s and MFU; None: every position is a real
+        token (``batch_size x seq_len`` a step). The default reads a dict batch's ``attention_mask`` (1: a token,
+        0: padding), as the padded batches of transformers and the rlhf recipes carry it."""
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if not isinstance(mask, torch.Tensor):
+            return None
+        return mask.sum(), mask.numel()
 
     def build_eval_dataset(self, context: RunContext) -> RecipeDataset | None:
         """Held-out samples for periodic evaluation (``[eval]``), or None for a recipe without evaluation."""

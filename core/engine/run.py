@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,7 +132,21 @@ class Run:
                 results.update({f"eval/{name}/{k[len('eval/'):]}": v for k, v in extra.items()
                                 if k.startswith("eval/")})
                 results["time_eval_s"] = results.get("time_eval_s", 0.0) + extra.get("time_eval_s", 0.0)
+        if self.config.eval.tasks:
+            start = time.perf_counter()
+            results.update({f"eval/{k}": v for k, v in self.score_tasks(self.config.eval.tasks,
+                                                                         self.config.eval.tasks_limit)["scores"].items()})
+            results["time_eval_s"] = results.get("time_eval_s", 0.0) + time.perf_counter() - start
         return results
+
+    def score_tasks(self, tasks: list[str], limit: int | None = None, num_fewshot: int | None = None,
+                    log_samples: bool = False) -> dict[str, Any]:
+        """Benchmark tasks on the primary model (:mod:`crosstrain.engine.evaluate_tasks`; one process only)."""
+        from crosstrain.data.hf_tokenizer import describe_tokenizer
+        from crosstrain.engine.evaluate_tasks import TaskRequest, score_tasks
+
+        return score_tasks(TaskRequest(self.primary.module, describe_tokenizer(self.config.data.tokenizer),
+                                       tuple(tasks), limit, num_fewshot, log_samples, self.primary.parallel.autocast))
 
     def close(self) -> None:
         """Restore the thread count and kernel mode and leave the process group this run created."""

@@ -31,7 +31,7 @@ def defaults_report(run: Run) -> dict[str, Any]:
         "kernels": {"mode": cfg.kernels.mode, **fast_defaults.kernel_choices(run.device.type)},
         "compile": {"enabled": run.compile_choice.enabled, "reason": run.compile_choice.reason},
         "layout": {
-            "choice": layout.layout if layout else ("fsdp" if run.dims.fsdp_enabled else "ddp"),
+            "choice": run.primary.parallel.layout_name,
             "reason": layout.reason if layout else "",
             "requested": cfg.parallel.layout,
         },
@@ -59,6 +59,15 @@ class LoopRecord:
     first_step: int
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)  # each step's real (non-padding) tokens
+    padding: list[float] = field(default_factory=list)  # each step's padding positions
+
+    def add_step(self, metrics: dict[str, float]) -> None:
+        """Record one step's loss, time and tokens (the loop's metrics of it)."""
+        self.losses.append(metrics["loss"])
+        self.step_times.append(metrics["step_time_s"])
+        self.tokens.append(metrics["tokens"])
+        self.padding.append(metrics["padding_tokens"])
     train_s: float = 0.0  # the loop's time without evaluations
     preempted: bool = False
     eval_record: bool = False  # summary.json gets eval_before / eval_after
@@ -67,15 +76,27 @@ class LoopRecord:
     last_eval_loss: float = float("nan")
 
 
+def steady_tokens_per_s(record: LoopRecord) -> float:
+    """Real tokens per second of the steps after this run's first: the first step compiles (``compile_s``) and
+    warms the allocator and caches, so it is left out, as the live rate of the step records leaves it out."""
+    skip = 1 if len(record.step_times) > 1 else 0
+    seconds = sum(record.step_times[skip:])
+    return sum(record.tokens[skip:]) / seconds if seconds > 0 else 0.0
+
+
 def compile_seconds(run: Run, step_times: list[float]) -> float:
     """The first step's excess over the median of the others (compiling happens in its forward/backward);
-    rank 0 remembers it for the next run's compile decision."""
-    if not (run.compile_choice.enabled and step_times):
-        return 0.0
+    rank 0 records it and the median step time, compiled or eager, for the next run's compile decision."""
     rest = sorted(step_times[1:])
-    compile_s = max(step_times[0] - (rest[len(rest) // 2] if rest else 0.0), 0.0)
-    if run.is_main:
-        fast_defaults.write_record(run.compile_choice.key, compile_s)
+    median = rest[len(rest) // 2] if rest else 0.0
+    choice = run.compile_choice
+    if not (choice.enabled and step_times):
+        if run.is_main and rest and choice.key and run.config.parallel.compile == "auto":
+            fast_defaults.write_record(choice.key, eager_step_s=median)
+        return 0.0
+    compile_s = max(step_times[0] - median, 0.0)
+    if run.is_main and choice.key:
+        fast_defaults.write_record(choice.key, compile_s=compile_s, **({"compiled_step_s": median} if rest else {}))
     return compile_s
 
 
@@ -90,12 +111,13 @@ def build_summary(
     """summary.json's content (a collective: other trainable models' weights are gathered for their hash)."""
     cfg, step = run.config, counters.step
     steps_run = step - record.first_step
-    tokens_per_s = steps_run * cfg.train.batch_size * cfg.train.seq_len / record.train_s if steps_run else 0.0
+    tokens_per_s = steady_tokens_per_s(record)
     peak = run.peak_flops
     mfu = (run.flops_per_token * tokens_per_s / (peak * run.world_size)) if peak else 0.0
     finite_losses = [v for v in record.losses if math.isfinite(v)]
     compile_s = compile_seconds(run, record.step_times)
     defaults["compile"]["compile_s"] = compile_s
+    padding, real = sum(record.padding), sum(record.tokens)
     times = sorted(record.step_times)
     summary: dict[str, Any] = {
         "backend": run.backend.name,
@@ -108,6 +130,9 @@ def build_summary(
         "final_loss": finite_losses[-1] if finite_losses else float("nan"),
         "losses": record.losses,
         "tokens_per_s": tokens_per_s,
+        "tokens": real,
+        "padding_tokens": padding,
+        "padded_fraction": padding / (real + padding) if real + padding else 0.0,
         "mfu": mfu,
         "mfu_flops": run.mfu_flops,
         "peak_memory_bytes": int(run.device_api.memory_stats().peak),
@@ -125,6 +150,9 @@ def build_summary(
         "best_eval_step": counters.best_eval_step,
         "optim_impl": defaults["optimizer"]["impl"],
         "compile_s": compile_s,
+        "compile_estimate_s": run.compile_choice.estimate_s,
+        "compile_saving_s": run.compile_choice.saving_s,
+        "compile_decision": run.compile_choice.decision,
         "defaults": defaults,
     }
     if len(run.models) > 1:
@@ -132,6 +160,9 @@ def build_summary(
     if record.eval_record:  # {"loss": ..., "<metric>": ...}; eval_before is null on a resumed run
         for key, found in (("eval_before", record.eval_before), ("eval_after", record.eval_after)):
             summary[key] = {k[len("eval/") :]: v for k, v in found.items() if k.startswith("eval/")} if found else None
+    if cfg.eval.tasks:  # the last evaluation's benchmark scores: {"<task>/<metric>": value}
+        summary["eval_tasks"] = {k[len("eval/"):]: v for k, v in (record.eval_after or {}).items()
+                                 if k.startswith("eval/") and k.count("/") >= 2}
     summary.update(run.recipe.summary())
     return summary
 

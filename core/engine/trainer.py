@@ -134,7 +134,8 @@ class Trainer:
         if self.complete_at is not None:
             return  # nothing to train: the run dir stays exactly as it is
         run.context.resume_step = self.counters.step
-        events.open_sinks(cfg, self.run_dir, run.world_size, self.counters.step, run.recipe.data_split())
+        events.open_sinks(cfg, self.run_dir, run.world_size, self.counters.step, run.recipe.data_split(),
+                          headline=run.recipe.headline_metrics)
         if run.is_main:  # only now: a rejected resume or a busy metrics port must leave the run's config as it was
             save_config(cfg, self.run_dir)
         self.rank_metrics = RankMetrics.for_run(
@@ -212,8 +213,7 @@ class Trainer:
             if step == 1 or not math.isfinite(counters.initial_loss):
                 if math.isfinite(metrics["loss"]):
                     counters.initial_loss = metrics["loss"]
-            record.losses.append(metrics["loss"])
-            record.step_times.append(metrics["step_time_s"])
+            record.add_step(metrics)
             if metrics.get("skipped"):
                 counters.nonfinite_steps += 1
                 consecutive = checkpoints.after_nonfinite(consecutive + 1)

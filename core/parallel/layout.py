@@ -53,6 +53,9 @@ def choose_layout(dims: Any, requested: str, estimate_bytes: int, budget_bytes: 
         return LayoutChoice("fsdp" if dims.dp_shard > 1 else "ddp",
                             f"parallel.dp_shard={dims.dp_shard} set explicitly")
     others = {k: getattr(dims, k) for k in ("dp_replicate", "tp", "pp", "ep") if getattr(dims, k) != 1}
+    # parallelize() wraps a pure replica in DDP (core/parallel/model.py): name it so
+    if list(others) == ["dp_replicate"] and dims.dp_replicate == dims.world_size:
+        return LayoutChoice("ddp", f"parallel.dp_replicate={dims.dp_replicate} alone: a full replica per rank, DDP")
     if others:
         named = ", ".join(f"parallel.{k}={v}" for k, v in others.items())
         return LayoutChoice("fsdp", f"FSDP2 composes with {named}")

@@ -83,6 +83,22 @@ class ParallelModel:
         self._autocast_dtype = None if (precision == "fp32" or use_fsdp) else dp.PARAM_DTYPES[precision]
 
     # -- helpers ----------------------------------------------------------------------------------
+    @property
+    def layout_name(self) -> str:
+        """What wraps the model's data parallelism, as it runs: ``ddp`` (DDP), ``fsdp`` (FSDP2 over one shard
+        dimension), ``hsdp`` (FSDP2 replicated over ``dp_replicate`` and sharded over ``dp_shard``), ``replicate``
+        (FSDP2 on ``dp_replicate`` alone, which tp/pp need: each rank holds the full model, gradients
+        all-reduced, as DDP) or ``single``; ``+tp``/``+pp``/``+ep`` name the other dimensions."""
+        d = self.dims
+        if self.use_ddp:
+            base = "ddp"
+        elif self.use_fsdp:
+            base = "hsdp" if d.dp_replicate > 1 and d.dp_shard > 1 else ("fsdp" if d.dp_shard > 1 else "replicate")
+        else:
+            base = "single"
+        extra = "".join(f"+{k}" for k in ("tp", "pp", "ep") if getattr(d, k) > 1)
+        return base + extra if base != "single" or not extra else extra[1:]
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """Parameters this rank owns (DTensors under FSDP/TP), for the optimizer."""
         return self.module.parameters()

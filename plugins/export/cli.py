@@ -141,7 +141,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    from crosstrain.plugins.export.onnx_export import DEFAULT_INT8_TOLERANCE, DEFAULT_TOLERANCE
+    from crosstrain.plugins.export.defaults import DEFAULT_INT8_TOLERANCE, DEFAULT_TOLERANCE
 
     p = sub.add_parser("export", help="export a trained model to ONNX (with KV cache) or safetensors",
                        description="Export a run dir (newest checkpoint), a checkpoint folder (sharded ones are "

@@ -66,12 +66,13 @@ class TorchEngine:
         logits, cache = self.forward_torch(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), cache)
         return logits.float().numpy(), cache
 
-    def generate(self, rows: list[list[int]], max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+    def generate(self, rows: list[list[int]], max_new_tokens: int, sampling: Sampling, stops: tuple[int, ...],
                  generator: torch.Generator) -> list[list[int]]:
-        """Each row's new tokens (up to and including ``eos_id``) from :func:`crosstrain.generation.generate`."""
+        """Each row's new tokens (up to and including its first of ``stops``) from
+        :func:`crosstrain.generation.generate`."""
         config = GenerationConfig(max_new_tokens=max_new_tokens, greedy=sampling.temperature <= 0,
                                   temperature=sampling.temperature or 1.0, top_k=sampling.top_k, top_p=sampling.top_p,
-                                  stop_tokens=() if eos_id is None else (eos_id,))
+                                  stop_tokens=stops)
         with kernel_registry.use_reference(), torch.inference_mode():
             out = generate_tokens(self.model, rows, config, generator)
         return [row[:n] for row, n in zip(out.tokens.tolist(), out.lengths.tolist(), strict=True)]
@@ -174,7 +175,9 @@ def generate(
     sampling: Sampling | None = None,
     eos_id: int | None = None,
 ) -> list[list[int]]:
-    """Generate ``max_new_tokens`` after each prompt (equal-length prompts form one batch); returns new tokens."""
+    """Generate ``max_new_tokens`` after each prompt (equal-length prompts form one batch); returns new tokens, each
+    row up to and including its first stop token: ``eos_id`` and the engine tokenizer's stop set
+    (:func:`stop_set`)."""
     sampling = sampling or Sampling()
     if not prompt or not all(len(r) if isinstance(r, list) else True for r in prompt):
         raise ExportError("the prompt is empty; give at least one token")
@@ -191,14 +194,26 @@ def generate(
         generator.seed()
     else:
         generator.manual_seed(sampling.seed)
+    stops = stop_set(engine.tokenizer, eos_id)
     if isinstance(engine, TorchEngine):
-        return engine.generate(ids.tolist(), max_new_tokens, sampling, eos_id, generator)
-    return _ort_loop(engine, ids, max_new_tokens, sampling, eos_id, generator)
+        return engine.generate(ids.tolist(), max_new_tokens, sampling, stops, generator)
+    return _ort_loop(engine, ids, max_new_tokens, sampling, stops, generator)
 
 
-def _ort_loop(engine: Engine, ids: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+def stop_set(tokenizer: dict[str, Any], eos_id: int | None = None) -> tuple[int, ...]:
+    """The stop tokens of a model's tokenizer metadata (:func:`crosstrain.generation.stops.stop_tokens` of its
+    folder, which for a Hugging Face model is the model folder with its ``generation_config.json``) and ``eos_id``."""
+    from crosstrain.generation.stops import stop_tokens
+
+    extra = () if eos_id is None else (int(eos_id),)
+    if tokenizer.get("type") != "hf" or not tokenizer.get("path"):
+        return extra
+    return stop_tokens(str(tokenizer["path"]), extra=extra)
+
+
+def _ort_loop(engine: Engine, ids: np.ndarray, max_new_tokens: int, sampling: Sampling, stops: tuple[int, ...],
               generator: torch.Generator) -> list[list[int]]:
-    """Prefill, then one forward per new token feeding back the engine's cache; a row ends after its ``eos_id``."""
+    """Prefill, then one forward per new token feeding back the engine's cache; a row ends after its first stop."""
     cache = engine.empty_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
     out: list[np.ndarray] = []
     done = np.zeros(ids.shape[0], dtype=bool)
@@ -207,8 +222,8 @@ def _ort_loop(engine: Engine, ids: np.ndarray, max_new_tokens: int, sampling: Sa
         logits, cache = engine.forward(step_ids, cache)
         nxt = pick(logits[:, -1, :], sampling, generator).astype(np.int64)
         out.append(nxt)
-        if eos_id is not None:
-            done |= nxt == eos_id
+        if stops:
+            done |= np.isin(nxt, stops)
             if done.all():
                 break
         if i + 1 < max_new_tokens:
@@ -216,4 +231,5 @@ def _ort_loop(engine: Engine, ids: np.ndarray, max_new_tokens: int, sampling: Sa
     if not out:
         return [[] for _ in range(ids.shape[0])]
     rows = np.stack(out, axis=1).tolist()
-    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
+    ends = [next((i + 1 for i, t in enumerate(row) if t in stops), len(row)) for row in rows]
+    return [row[:n] for row, n in zip(rows, ends, strict=True)]

@@ -26,6 +26,7 @@ from torch import nn
 
 from crosstrain.kernels import registry as kernel_registry
 from crosstrain.models.gpt import GPT, GPTConfig
+from crosstrain.plugins.export.defaults import DEFAULT_INT8_TOLERANCE, DEFAULT_TOLERANCE
 from crosstrain.plugins.export.errors import ExportError
 from crosstrain.plugins.export.loading import (
     FORMAT_VERSION,
@@ -38,9 +39,6 @@ from crosstrain.plugins.export.loading import (
 from crosstrain.plugins.export.parity import ParityReport
 
 META_IO = "crosstrain.io"
-DEFAULT_TOLERANCE = 1e-4
-#: Default max abs logit error accepted for the int8 model (dynamic quantization is lossy by design).
-DEFAULT_INT8_TOLERANCE = 1.0
 
 
 def input_names(cfg: GPTConfig) -> list[str]:

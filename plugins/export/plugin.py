@@ -6,23 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 import crosstrain
-
-
-class ExportSection(BaseModel):
-    """``[export]`` in a training config: what to export when training ends (written under ``<run dir>/export``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    onnx: bool = False
-    safetensors: bool = False
-    int8: bool = False
-    dir: str = "export"
-    tolerance: float = Field(default=1e-4, gt=0)
-    int8_tolerance: float = Field(default=1.0, gt=0)
-    opset: int | None = None
 
 
 @crosstrain.hookimpl
@@ -41,6 +25,8 @@ def crosstrain_add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 @crosstrain.hookimpl
 def crosstrain_config_sections() -> dict[str, type]:
+    from crosstrain.plugins.export.config import ExportSection
+
     return {"export": ExportSection}
 
 

@@ -20,8 +20,11 @@ class MoESection(BaseModel):
                             "hidden size / (top_k + shared_experts): equal active parameters")
     capacity_factor: float = Field(default=0.0, ge=0, description="0 = dropless; else capacity = "
                                    "ceil(tokens * top_k / experts * capacity_factor) per expert")
-    drop_policy: Literal["probs", "position"] = "probs"
-    router: Literal["softmax", "sigmoid"] = "softmax"
+    drop_policy: Literal["probs", "position"] = Field(
+        default="probs", description="with capacity_factor > 0, which choices are dropped first: probs = the "
+        "lowest router weights (Megatron-Core), position = later choices, then later tokens (GShard)")
+    router: Literal["softmax", "sigmoid"] = Field(default="softmax", description="router score function over the "
+                                                  "experts")
     renormalize: Literal["auto", "always", "never"] = Field(
         default="auto", description="divide the top-k weights by their sum: auto = when top_k > 1; always = "
         "Mixtral's router (also for top_k = 1); never = Qwen3-MoE with norm_topk_prob = false")
@@ -33,8 +36,8 @@ class MoESection(BaseModel):
         "(and sequence) the same run on every layout; micro_batch depends on the per-rank micro-batch; pooled = "
         "transformers' Mixtral/Qwen3-MoE loss (statistics pooled over the layers, counts over all ranks; the "
         "default for an imported MoE checkpoint)")
-    aux_loss_coeff: float = Field(default=0.01, ge=0)
-    z_loss_coeff: float = Field(default=0.001, ge=0)
+    aux_loss_coeff: float = Field(default=0.01, ge=0, description="weight of the load-balancing loss")
+    z_loss_coeff: float = Field(default=0.001, ge=0, description="weight of the router z-loss (ST-MoE)")
     bias_update_rate: float = Field(default=0.0, ge=0, description="aux-loss-free balancing; 0 = off")
     exchange_timeout_s: float = Field(default=60.0, gt=0, description="how long an expert-parallel rank "
                                       "waits for the others to agree on split sizes before raising")

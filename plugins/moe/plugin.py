@@ -3,11 +3,12 @@ estimates, the aux-loss-free bias update and the expert-load report panel."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import crosstrain
+
+if TYPE_CHECKING:  # `crosstrain config show` reads the [moe] section without importing torch
+    import torch
 
 
 @crosstrain.hookimpl

@@ -12,9 +12,17 @@ class RLHFSection(BaseModel):
 
     max_length: int = Field(default=0, ge=0, description="tokens per prompt + completion (0 = train.seq_len)")
     max_prompt_length: int = Field(default=0, ge=0, description="prompt tokens kept, from the end (0 = max_length/2)")
+    loss_normalization: Literal["token", "sequence"] = Field(
+        default="token", description="SFT: token = TRL SFTTrainer's loss (the sum of completion-token NLLs over the "
+        "step's micro-batches and data-parallel ranks / their number of completion tokens, transformers' "
+        "num_items_in_batch), the default so a recipe ported from TRL trains the same; sequence = each row's mean "
+        "completion NLL, averaged over rows (short and long completions weigh the same)")
     beta: float = Field(default=0.1, gt=0, description="DPO: strength of the pull to the reference")
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = "sigmoid"
-    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5, description="DPO sigmoid/robust: label noise eps")
+    loss_type: Literal["sigmoid", "cdpo", "hinge", "ipo", "robust"] = Field(
+        default="sigmoid", description="DPO loss (TRL's names): sigmoid (DPO), cdpo (conservative DPO, label "
+        "smoothing eps), hinge (SLiC), ipo, robust (Chowdhury et al. 2024, label noise eps)")
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5, description="DPO cdpo/robust: label noise eps "
+                                   "(refused with sigmoid, which ignores it in TRL)")
     margin: float = Field(default=0.0, description="RM: margin subtracted from r_chosen - r_rejected")
     center_rewards_coefficient: float = Field(default=0.0, ge=0, description="RM: c in c * mean((r_c + r_r)^2)")
     reference: Literal["frozen", "precomputed"] = Field(default="frozen", description="DPO: a frozen copy of the "

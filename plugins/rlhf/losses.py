@@ -1,8 +1,9 @@
 """The RLHF losses as pure functions: per-sequence log-probs in, per-example losses (and rewards) out.
 
-Every function returns *per-example* values; the recipes average them over the examples of a micro-batch, and
-since every micro-batch holds the same number of examples, the loop's mean over micro-batches and data-parallel
-ranks is the global mean over examples (so grad_accum and the number of ranks do not change the loss).
+Every function but :func:`sft_token_loss` returns *per-example* values; the recipes average them over the examples
+of a micro-batch, and since every micro-batch holds the same number of examples, the loop's mean over
+micro-batches and data-parallel ranks is the global mean over examples (so grad_accum and the number of ranks do
+not change the loss). :func:`sft_token_loss` divides by the step's global completion-token count instead.
 Names and formulas follow TRL (``trl.DPOTrainer.dpo_loss``, ``trl.RewardTrainer.compute_loss``).
 """
 
@@ -13,7 +14,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-DPOLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
+DPOLossType = Literal["sigmoid", "cdpo", "hinge", "ipo", "robust"]
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -34,14 +35,28 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tenso
 
 
 def sft_loss(token_nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked negative log-likelihood per sequence: ``sum_t mask * nll / max(1, sum_t mask)``, shape ``[B]``.
+    """Masked negative log-likelihood per sequence: ``sum_t mask * nll / max(1, sum_t mask)``, shape ``[B]``
+    (``rlhf.loss_normalization = "sequence"``).
 
-    Prompt tokens (and padding) have ``mask`` 0, so only completions are learned, as TRL's SFTTrainer with
-    ``completion_only_loss``. Each sequence weighs the same (the mean over its completion tokens), which keeps
-    the mean over a batch independent of how the batch is cut into micro-batches.
+    Prompt tokens (and padding) have ``mask`` 0, so only completions are learned. Each sequence weighs the same
+    (the mean over its completion tokens), which keeps the mean over a batch independent of how the batch is cut
+    into micro-batches. This is not TRL's SFTTrainer reduction: that is :func:`sft_token_loss`.
     """
     m = mask.to(token_nll.dtype)
     return (token_nll * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def sft_token_loss(token_nll: torch.Tensor, mask: torch.Tensor, num_items: float | torch.Tensor) -> torch.Tensor:
+    """``sum_{b,t} mask * nll / max(1, num_items)``, a scalar (``rlhf.loss_normalization = "token"``).
+
+    TRL 1.16 ``SFTTrainer.compute_loss``: ``per_token_loss.sum() / num_items_in_batch``, where transformers'
+    ``Trainer.get_batch_samples`` counts ``num_items_in_batch`` as the completion tokens of the whole gradient
+    accumulation window, summed over ranks (``average_tokens_across_devices``). The caller passes that count (or,
+    for one micro-batch alone, its own ``mask.sum()``), and scales by the number of micro-batches x ranks the loop
+    averages over, as TRL multiplies by ``num_processes``.
+    """
+    m = mask.to(token_nll.dtype)
+    return (token_nll * m).sum() / torch.as_tensor(num_items, dtype=token_nll.dtype).clamp(min=1)
 
 
 def bradley_terry_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor, *,
@@ -69,25 +84,34 @@ def dpo_loss(
     Inputs are per-sequence *summed* completion log-probs ``[B]`` and the completion lengths ``[B]``. With
     ``h = (log pi_c - log pi_ref_c) - (log pi_r - log pi_ref_r)``:
 
-    - ``sigmoid`` (Rafailov et al. 2023, arXiv:2305.18290; with eps the conservative cDPO of TRL):
+    - ``sigmoid`` (Rafailov et al. 2023, arXiv:2305.18290): ``-log sigmoid(beta h)``. TRL 1.16's ``sigmoid``
+      ignores ``label_smoothing``; here eps != 0 is refused (name ``cdpo`` or ``robust``) rather than ignored
+    - ``cdpo`` (conservative DPO, Mitchell 2023, "A note on DPO with noisy preferences"), label noise eps:
       ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``
     - ``hinge`` (SLiC, Zhao et al. 2023, arXiv:2305.10425): ``relu(1 - beta h)``
     - ``ipo`` (Azar et al. 2023, arXiv:2310.12036): ``(h - 1/(2 beta))^2`` with per-token-averaged log-probs
-      (each log-prob divided by its length, as TRL's ``ipo``); needs the lengths
+      (each log-ratio divided by its length, as TRL's ``ipo``); needs the lengths
     - ``robust`` (Chowdhury et al. 2024, arXiv:2403.00409), label noise eps < 0.5:
-      ``(-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)``
+      ``(-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)`` (TRL's ``robust``)
 
-    The rewards use the same (summed, or for ``ipo`` averaged) log-probs as the loss, as TRL does.
+    The rewards are ``beta x`` the *summed* log-ratios for every loss type, ``ipo`` included, as TRL 1.16's
+    ``DPOTrainer`` logs ``rewards/chosen`` and ``rewards/rejected``.
     """
     pc, pr, rc, rr = policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
+    chosen_ratio, rejected_ratio = pc - rc, pr - rr
     if loss_type == "ipo":
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError("loss_type='ipo' averages log-probs per token: pass chosen_lengths and rejected_lengths")
-        cl, rl = chosen_lengths.clamp(min=1), rejected_lengths.clamp(min=1)
-        pc, rc, pr, rr = pc / cl, rc / cl, pr / rl, rr / rl
-    h = (pc - rc) - (pr - rr)
+        h = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+    else:
+        h = chosen_ratio - rejected_ratio
     eps = label_smoothing
     if loss_type == "sigmoid":
+        if eps:
+            raise ValueError(f"loss_type='sigmoid' takes no label_smoothing (TRL's ignores it), got {eps}; use "
+                             "loss_type='cdpo' or 'robust'")
+        loss = -F.logsigmoid(beta * h)
+    elif loss_type == "cdpo":
         loss = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
     elif loss_type == "hinge":
         loss = torch.relu(1 - beta * h)
@@ -98,8 +122,8 @@ def dpo_loss(
             raise ValueError(f"loss_type='robust' needs 0 <= label_smoothing < 0.5, got {eps}")
         loss = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
     else:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose sigmoid, hinge, ipo or robust")
-    return loss, beta * (pc - rc).detach(), beta * (pr - rr).detach()
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose sigmoid, cdpo, hinge, ipo or robust")
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
 def preference_accuracy(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor) -> torch.Tensor:

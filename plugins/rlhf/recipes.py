@@ -31,6 +31,7 @@ from crosstrain.plugins.rlhf.losses import (
     preference_accuracy,
     sequence_logps,
     sft_loss,
+    sft_token_loss,
     strict_accuracy,
     token_logps,
 )
@@ -146,10 +147,34 @@ class SFTRecipe(RLHFRecipe):
     def build_models(self, context: Any) -> dict[str, ModelSpec]:
         return {"policy": ModelSpec(self._policy(context))}
 
+    def prepare_step(self, micro_batches: list[Any], context: Any) -> list[Any]:
+        """``loss_normalization = "token"``: tag each micro-batch with ``sft_divisor``, the step's completion tokens
+        over every micro-batch and data-parallel rank (one all-reduce, TRL's ``num_items_in_batch``) divided by the
+        number of terms the loop averages (micro-batches x data-parallel ranks)."""
+        if _section(context.config).loss_normalization != "token":
+            return micro_batches
+        import torch.distributed as dist
+
+        from crosstrain.parallel import dp_rank_and_size
+        from crosstrain.plugins.rlhf.rl.aggregate import global_sums
+
+        _, dp = dp_rank_and_size(context.mesh, context.dims)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        local = torch.stack([mb["loss_mask"][:, 1:].sum() for mb in micro_batches]).sum()
+        tokens = float(global_sums(local.reshape(1), max(1, world // dp))[0])  # tp/pp peers hold the same rows
+        for mb in micro_batches:
+            mb["sft_divisor"] = tokens / (len(micro_batches) * dp)
+        return micro_batches
+
     def loss(self, models: Mapping[str, nn.Module], batch: Any) -> MicroBatchLoss:
         inputs, labels, mask = _shifted(batch)
         nll = -token_logps(models["policy"](inputs), labels)
-        loss = sft_loss(nll, mask).mean()
+        if self.sec.loss_normalization == "token":
+            # training: the step's global count (prepare_step); eval: the micro-batch's own tokens, as TRL's
+            # evaluation calls compute_loss without num_items_in_batch
+            loss = sft_token_loss(nll, mask, batch.get("sft_divisor", mask.sum()))
+        else:
+            loss = sft_loss(nll, mask).mean()
         return MicroBatchLoss(loss, {"truncated": batch["truncated"].float().mean()})
 
 
@@ -189,6 +214,16 @@ class DPORecipe(RLHFRecipe):
 
     name = "dpo"
     kind = "preference"
+    headline_metrics = ("rewards/accuracies", "rewards/margins")
+
+    def validate(self, config: Config) -> None:
+        sec = _section(config)
+        if sec.loss_type == "sigmoid" and sec.label_smoothing:
+            # TRL 1.16's sigmoid silently ignores label_smoothing: a copied TRL config must not train another loss
+            raise ConfigError(f"rlhf.label_smoothing={sec.label_smoothing} has no effect on rlhf.loss_type=sigmoid "
+                              "(TRL ignores it too); set rlhf.loss_type=cdpo (conservative DPO) or robust, or "
+                              "rlhf.label_smoothing=0")
+        super().validate(config)
 
     def build_models(self, context: Any) -> dict[str, ModelSpec]:
         policy = self._policy(context)

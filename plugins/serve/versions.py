@@ -60,6 +60,12 @@ class Version:
                 "context_length": self.context, "gate": self.gate.to_dict()}
 
 
+def _consolidated(resolved: Resolved) -> dict[str, Any]:
+    from crosstrain.checkpoint.consolidate import load_consolidated
+
+    return load_consolidated(resolved, check=False)  # load_model verified it
+
+
 def load_version(source: str | Resolved, number: int, engine: str, max_batch: int, workdir: Path,
                  best: bool = False) -> Version:
     """Load and gate one version (raises the loaders' one-line errors; a failed gate is in ``version.gate``)."""
@@ -82,7 +88,8 @@ def load_version(source: str | Resolved, number: int, engine: str, max_batch: in
 
     resolved = source if isinstance(source, Resolved) else resolve_path(source, best=best)
     loaded = load_model(resolved)
-    sha = params_sha256(loaded.model.state_dict())
+    # a checkpoint's hash is summary.json's: of the trained tensors (LoRA adapters unmerged), not the merged model
+    sha = params_sha256(_consolidated(resolved) if resolved.kind == "checkpoint" else loaded.model.state_dict())
     step, run_dir = resolved.step, resolved.run_dir
     model = loaded.model.eval()
     ort = None

@@ -6,6 +6,10 @@ with pybind11, threaded with OpenMP when the compiler supports ``-fopenmp``. Ins
 at run time (AVX-512 / AVX2 variants compiled with ``#pragma GCC target``), so no ``-march`` flag is used
 and the wheel runs on any x86-64 CPU. Without a working C++ compiler (or without pybind11, or with
 ``CROSSTRAIN_NO_NATIVE=1``) the install still succeeds and the extension is reported missing at run time.
+
+Each extension is built once per :func:`cache_key` (sources, headers, flags, compiler, Python ABI, pybind11 and
+torch versions) and kept under :func:`cache_dir`; a later install (pip builds in a fresh folder every time) copies
+it from there and prints ``native extension ...: using the cached build ...`` (:func:`cached_build_ext`).
 """
 
 from __future__ import annotations
@@ -146,3 +150,75 @@ def _extension(module: str, folder: str, sources: list[str], headers: tuple[str,
         depends=[_relative(os.path.join(folder, h)) for h in headers],
         optional=optional,
     )
+
+
+def cache_dir() -> str:
+    """Where built extensions are kept for later installs: ``$CROSSTRAIN_NATIVE_CACHE``, else
+    ``$XDG_CACHE_HOME/crosstrain/native`` (``~/.cache/crosstrain/native``)."""
+    explicit = os.environ.get("CROSSTRAIN_NATIVE_CACHE", "").strip()
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "crosstrain", "native")
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "none"
+
+
+def cache_key(ext: Extension, compiler: list[str]) -> str:
+    """SHA-256 of everything the built file depends on: the bytes of its sources and headers, its flags and
+    macros, the compiler command, the Python ABI (the file suffix), pybind11's and torch's versions."""
+    import hashlib
+    import sysconfig
+
+    h = hashlib.sha256()
+    for path in sorted({*ext.sources, *ext.depends}):
+        h.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as fh:
+            h.update(hashlib.sha256(fh.read()).digest())
+    meta = [ext.name, ext.extra_compile_args, ext.extra_link_args, sorted(map(str, ext.define_macros)),
+            compiler, sysconfig.get_config_var("EXT_SUFFIX"), platform.machine(),
+            _package_version("pybind11"), _package_version("torch")]
+    h.update(repr(meta).encode())
+    return h.hexdigest()[:32]
+
+
+def cached_build_ext() -> type:
+    """setuptools' ``build_ext`` that builds each extension once per :func:`cache_key` and copies it from
+    :func:`cache_dir` afterwards, so ``pip install -e ".[hf]"`` after ``pip install -e .`` does not recompile
+    (pip builds in a fresh temporary folder each time, where setuptools' own up-to-date check never applies)."""
+    import shutil
+
+    from setuptools.command.build_ext import build_ext
+
+    class CachedBuildExt(build_ext):
+        def build_extension(self, ext: Extension) -> None:
+            compiler = list(getattr(self.compiler, "compiler_so", None) or [type(self.compiler).__name__])
+            key = cache_key(ext, compiler)
+            target = self.get_ext_fullpath(ext.name)
+            cached = os.path.join(cache_dir(), key, os.path.basename(target))
+            if os.path.isfile(cached):
+                os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+                shutil.copyfile(cached, target)
+                _warn(f"native extension {ext.name}: using the cached build {cached} (same sources, flags and "
+                      "compiler)")
+                return
+            super().build_extension(ext)
+            if not os.path.isfile(target):
+                return  # an optional extension that failed: nothing to keep
+            try:
+                os.makedirs(os.path.dirname(cached), exist_ok=True)
+                partial = f"{cached}.{os.getpid()}.partial"
+                shutil.copyfile(target, partial)
+                os.replace(partial, cached)  # a concurrent install sees the whole file or none
+                _warn(f"native extension {ext.name}: built and cached as {cached}")
+            except OSError as exc:  # a read-only home must not fail the install
+                _warn(f"native extension {ext.name}: built, not cached ({exc})")
+
+    return CachedBuildExt

@@ -6,11 +6,12 @@ import argparse
 import json
 from typing import Any
 
-from crosstrain import pluginmanager, registry
-from crosstrain.kernels import registry as kernel_registry
-
 
 def collect() -> dict[str, Any]:
+    # probing a backend needs torch (its device counts, its kernels): imported here, not when the CLI starts
+    from crosstrain import pluginmanager, registry
+    from crosstrain.kernels import registry as kernel_registry
+
     backends = []
     impls_by_backend: dict[str, list[str]] = {}
     for op in kernel_registry.ops():

@@ -10,11 +10,12 @@ import argparse
 import json
 import os
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from crosstrain import __version__, pluginmanager, registry
-from crosstrain.backend import Backend
-from crosstrain.diagnostics import package_version
+from crosstrain import __version__
+
+if TYPE_CHECKING:
+    from crosstrain.backend import Backend
 
 PACKAGES = ("torch", "onnx", "onnxruntime", "onnxscript", "pluggy", "pydantic", "rich", "safetensors", "numpy")
 ENV_VARS = ("CROSSTRAIN_BACKEND", "CROSSTRAIN_KERNELS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -34,6 +35,9 @@ def _backend_info(backend: Backend) -> dict[str, Any]:
 def collect() -> dict[str, Any]:
     import torch
 
+    from crosstrain import pluginmanager, registry
+    from crosstrain.diagnostics import package_version
+
     return {
         "crosstrain": __version__,
         "python": platform.python_version(),
@@ -50,6 +54,8 @@ def collect() -> dict[str, Any]:
 def measure_peaks() -> dict[str, dict[str, dict[str, Any]]]:
     """Every available backend's peak FLOP/s per dtype, measured again now (cached figures are replaced)."""
     import torch
+
+    from crosstrain import registry
 
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, backend in registry.backends().items():

@@ -1,4 +1,6 @@
-"""``crosstrain eval RUN_OR_CHECKPOINT [--data PATH] [--best] [--json] [--set K=V] [--nproc N]``."""
+"""``crosstrain eval RUN_OR_CHECKPOINT [--data PATH] [--best] [--json] [--set K=V] [--nproc N]``, and with
+``--tasks NAME_OR_YAML[,...] [--limit N] [--num-fewshot K] [--log-samples]`` benchmark tasks (lm-evaluation-harness
+in process, :mod:`crosstrain.engine.evaluate_tasks`) instead of the loss."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Any
 
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
@@ -34,8 +37,22 @@ def run(args: argparse.Namespace) -> int:
     config_file = source.run_dir / "config.toml"
     if not config_file.is_file():
         raise ConfigError(f"{str(config_file)!r} is missing; crosstrain eval needs the run dir a checkpoint came from")
-    overrides = [*(args.set or []), *([f"data.val_path={args.data}"] if args.data else [])]
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    if args.tasks is not None and not tasks:
+        raise ConfigError("--tasks is empty; pass task names or task YAML paths, comma separated")
+    if not tasks and (args.limit is not None or args.num_fewshot is not None or args.log_samples):
+        raise ConfigError("--limit, --num-fewshot and --log-samples apply to --tasks; add --tasks NAME_OR_YAML")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit={args.limit} must be >= 1 (omit it to score every item)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot={args.num_fewshot} must be >= 0 (omit it for each task's own)")
+    if tasks and args.nproc is not None:
+        raise ConfigError("--tasks scores in this process; drop --nproc")
+    overrides = [*(args.set or []), *([f"data.val_path={args.data}"] if args.data else []),
+                 *([f"eval.tasks={json.dumps(tasks)}"] if tasks else [])]  # validated like the config key
     config = load_config(config_file, overrides)
+    if tasks:
+        return _score(args, config, source, tasks)
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc={args.nproc} must be >= 1 (omit it to evaluate in this process)")
@@ -57,14 +74,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _score(args: argparse.Namespace, config: Any, source: Any, tasks: list[str]) -> int:
+    from crosstrain.engine.evaluate_checkpoint import score_checkpoint
+
+    result = score_checkpoint(config, source.path, tasks, verified=source.verified, limit=args.limit,
+                              num_fewshot=args.num_fewshot, log_samples=args.log_samples)
+    if not args.log_samples:
+        result.pop("samples", None)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"crosstrain: lm-eval tasks on {result['checkpoint']} (step {result['step']})")
+    width = max((len(k) for k in result["scores"]), default=0)
+    for key, value in result["scores"].items():
+        print(f"  {key:<{width}}  {value:.4f}")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="evaluate a saved checkpoint on held-out data (loss and perplexity)",
+    p = sub.add_parser("eval", help="evaluate a saved checkpoint on held-out data (loss and perplexity) or on "
+                                    "lm-eval tasks (--tasks)",
                        description="Evaluate a run's latest (or --best) checkpoint, or a step_N folder, with the "
-                                   "run's config on its validation split or on --data.")
+                                   "run's config on its validation split or on --data; with --tasks, score "
+                                   "lm-evaluation-harness tasks in process instead (docs/evaluate.md).")
     p.add_argument("path", help="run dir, its checkpoints/ folder, or a checkpoints/step_N folder")
     p.add_argument("--data", default=None, help="token file to evaluate on instead of the run's validation split")
     p.add_argument("--best", action="store_true", help="the checkpoint with the best eval loss (keep_best runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. --set parallel.tp=2")
     p.add_argument("--nproc", type=int, default=None, help="evaluate on N local worker processes")
+    p.add_argument("--tasks", default=None, metavar="NAME_OR_YAML[,...]",
+                   help="score lm-evaluation-harness tasks instead of the loss: registered names or local task "
+                        "YAML files (needs crosstrain[eval])")
+    p.add_argument("--limit", type=int, default=None, help="--tasks: only the first N items of each task")
+    p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: K few-shot examples (default: the task's)")
+    p.add_argument("--log-samples", action="store_true", help="--tasks --json: also each item's responses")
     p.set_defaults(func=run)

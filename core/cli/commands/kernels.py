@@ -6,10 +6,10 @@ import argparse
 import json
 from typing import Any
 
-from crosstrain.kernels import registry
-
 
 def collect() -> dict[str, Any]:
+    from crosstrain.kernels import registry  # imports torch: only when the command runs
+
     ops = []
     for name, spec in sorted(registry.ops().items()):
         ops.append({

@@ -27,21 +27,23 @@ def is_on_policy(fraction: float, seed: int, step: int, micro: int) -> bool:
 
 
 def sample_completions(student: nn.Module, batch: DistillBatch, *, temperature: float, max_seq_len: int,
-                       generator: torch.Generator) -> DistillBatch:
+                       generator: torch.Generator, stop_tokens: tuple[int, ...] = ()) -> DistillBatch:
     """``batch`` with each row's tokens after its prompt (``prompt_lengths``) replaced by the student's samples,
-    filling the row's ``T`` targets; ``mask`` marks the sampled targets. Every row draws the same number of tokens
-    (the longest completion of the batch), so every rank runs the same number of forwards."""
+    filling the row's ``T`` targets; ``mask`` marks the sampled targets up to and including the row's first stop
+    token (:func:`crosstrain.generation.stops.stop_tokens`), as TRL's GKDTrainer masks what follows EOS. Every row
+    draws up to the same number of tokens (the longest completion of the batch), so every rank runs the same
+    number of forwards until all rows have stopped."""
     width = batch.inputs.shape[1]
     lengths = [max(1, int(n)) for n in batch.prompt_lengths.tolist()]
     rows = batch.inputs.tolist()
     prompts = [row[:n] for row, n in zip(rows, lengths, strict=True)]
     new = min(width + 1 - min(lengths), max_seq_len - max(lengths))
-    out = generate(student, prompts, GenerationConfig(max_new_tokens=new, temperature=temperature),
-                   generator=generator)
+    config = GenerationConfig(max_new_tokens=new, temperature=temperature, stop_tokens=stop_tokens)
+    out = generate(student, prompts, config, generator=generator)
     tokens = torch.zeros((len(rows), width + 1), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for r, (prompt, sampled) in enumerate(zip(prompts, out.tokens.tolist(), strict=True)):
-        seq = (prompt + sampled)[: width + 1]
+    for r, (prompt, sampled, n) in enumerate(zip(prompts, out.tokens.tolist(), out.lengths.tolist(), strict=True)):
+        seq = (prompt + sampled[:n])[: width + 1]  # the engine pads after a stop: those slots are not samples
         tokens[r, : len(seq)] = torch.tensor(seq)
         mask[r, len(prompt) - 1 : len(seq) - 1] = True
     device = batch.inputs.device

@@ -62,7 +62,7 @@ class DistillRecipe(Recipe):
     def _attach_cache(self, config: Config) -> None:
         assert self.dataset is not None
         splits = {"train": self.dataset, **({"eval": self.eval_dataset} if self.eval_dataset is not None else {})}
-        self.cache.check(ddata.fingerprint(splits), self.sec.temperature, gpt_config(config).vocab_size)
+        self.cache.check(ddata.fingerprint(splits), self.sec.loss_temperature, gpt_config(config).vocab_size)
         k = int(self.cache.meta["top_k"])
         if self.sec.top_k_logits > k:
             raise ConfigError(f"distill.top_k_logits={self.sec.top_k_logits} exceeds the {k} tokens per position "
@@ -113,11 +113,20 @@ class DistillRecipe(Recipe):
             if is_on_policy(self.sec.on_policy, seed, step, i):
                 gen = torch.Generator(device=batch.inputs.device).manual_seed(hash((seed, step, i, dp_rank)) % 2**62)
                 batch = sample_completions(student, batch, temperature=self.sec.sample_temperature,
-                                           max_seq_len=max_len, generator=gen)
+                                           max_seq_len=max_len, generator=gen,
+                                           stop_tokens=self.stop_set(context.config))
                 batch.sampled = True
                 self.sampled_batches += 1
             out.append(batch)
         return out
+
+    def stop_set(self, config: Config) -> tuple[int, ...]:
+        """The student's stop tokens (:func:`crosstrain.generation.stops.stop_tokens`), derived once."""
+        if not hasattr(self, "_stops"):
+            from crosstrain.generation.stops import stop_tokens
+
+            self._stops = stop_tokens(config.data.tokenizer, config.model.init_from or None)
+        return self._stops
 
     def _teacher(self, models: Mapping[str, nn.Module], batch: DistillBatch) -> torch.Tensor | TopK:
         if batch.teacher_ids is not None and batch.teacher_logps is not None:
@@ -132,7 +141,7 @@ class DistillRecipe(Recipe):
         logits = models["student"](batch.inputs, **batch.model_kwargs())
         teacher = self._teacher(models, batch)
         nll = masked_nll(logits, batch.targets, batch.mask)
-        kd = distill_loss(logits, teacher, batch.mask, loss=sec.loss, beta=sec.beta, temperature=sec.temperature,
+        kd = distill_loss(logits, teacher, batch.mask, loss=sec.loss, beta=sec.beta, temperature=sec.loss_temperature,
                           top_k=sec.top_k_logits if isinstance(teacher, torch.Tensor) else 0,
                           chunk_tokens=sec.chunk_tokens)
         alpha = 1.0 if batch.sampled else sec.alpha  # the labels of a sampled batch are the student's own tokens
@@ -164,8 +173,9 @@ class DistillRecipe(Recipe):
     def summary(self) -> dict[str, Any]:
         sec = self.sec
         out: dict[str, Any] = {"distill": {
-            "teacher": self.teacher_record, "loss": sec.loss, "beta": sec.beta, "temperature": sec.temperature,
-            "alpha": sec.alpha, "top_k_logits": sec.top_k_logits, "on_policy": sec.on_policy, "data": sec.data,
+            "teacher": self.teacher_record, "loss": sec.loss, "beta": sec.beta,
+            "loss_temperature": sec.loss_temperature, "alpha": sec.alpha, "top_k_logits": sec.top_k_logits,
+            "on_policy": sec.on_policy, "data": sec.data,
             "sampled_micro_batches": self.sampled_batches}}
         if self.init_record:
             out["init_from"] = self.init_record

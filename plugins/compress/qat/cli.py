@@ -7,13 +7,11 @@ import json
 from pathlib import Path
 
 from crosstrain.errors import ConfigError
-from crosstrain.plugins.compress.qat.schemes import SCHEMES
+from crosstrain.plugins.compress.qat.schemes import DEFAULT_QUANT_TOLERANCE, SCHEMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The quantisation flags of ``crosstrain export``."""
-    from crosstrain.plugins.compress.qat.export import DEFAULT_QUANT_TOLERANCE
-
     p.add_argument("--quantize", nargs="?", const="trained", default=None, choices=("trained", *SCHEMES),
                    help="write the integer model of a run trained with [quant] qat (onnx: int weights + parity "
                         "against the fake-quantised model; hf: dequantised weights)")

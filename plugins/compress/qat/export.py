@@ -12,13 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from crosstrain.plugins.compress.qat.convert import fake_quantised, integer_model, quantized_bytes
-from crosstrain.plugins.compress.qat.schemes import Scheme
+from crosstrain.plugins.compress.qat.schemes import DEFAULT_QUANT_TOLERANCE, Scheme
 from crosstrain.plugins.export.errors import ExportError
 from crosstrain.plugins.export.parity import ParityReport
 
-#: Max abs logit error accepted between onnxruntime and the fake-quantised model. Both compute the same integers;
-#: what remains is fp32 summation order, and now and then an activation on a rounding boundary (half a step).
-DEFAULT_QUANT_TOLERANCE = 1e-2
 #: ``DequantizeLinear`` with int4 blocks needs opset 21.
 MIN_OPSET = 21
 META_QUANT = "crosstrain.quantization"

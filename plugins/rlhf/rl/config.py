@@ -15,7 +15,9 @@ class RLSection(BaseModel):
 
     num_generations: int = Field(default=4, ge=1, description="G: completions sampled per prompt (GRPO's group)")
     max_new_tokens: int = Field(default=8, ge=1, description="tokens generated per completion")
-    stop: str = Field(default="\n", description="a completion ends after this character ('' = none)")
+    stop: str = Field(default="\n", description="a completion also ends after this character "
+                      "('' = none), besides the tokenizer's EOS/end-of-turn tokens and generation_config.json's "
+                      "eos_token_id (crosstrain.generation.stops)")
     advantage: Literal["group", "rloo"] = Field(default="group", description="grpo: group-normalised (GRPO) or "
                                                 "leave-one-out (RLOO); ppo always uses GAE")
     scale_rewards: Literal["group", "batch", "none"] = Field(default="group", description="grpo advantage: divide "
@@ -31,7 +33,8 @@ class RLSection(BaseModel):
         Field(default="token-mean", description="how per-token losses are averaged (global counts)")
     beta: float = Field(default=0.0, ge=0, description="KL coefficient to the frozen reference (0 = no reference "
                         "model)")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="estimator of the KL to the reference "
+                                                                              "(Schulman's k1/k2/k3)")
     kl_clamp: float = Field(default=10.0, ge=0, description="log-ratio and KL estimate clamped to +-this (0 = off)")
     kl_in: Literal["loss", "reward"] = Field(default="loss", description="KL as a loss term, or as a reward "
                                              "penalty (ppo: per token, grpo: summed per completion)")

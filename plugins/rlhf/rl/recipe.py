@@ -94,7 +94,11 @@ class RLRecipe(Recipe):
         stop = self.tokenizer.encode(sec.stop) if sec.stop else np.zeros(0, dtype=np.int64)
         if len(stop) > 1:
             raise ConfigError(f"rl.stop={sec.stop!r} is {len(stop)} tokens; use a single-token stop string")
-        self.stop_tokens = tuple(int(t) for t in stop)
+        from crosstrain.generation.stops import stop_tokens
+
+        # rl.stop's token joins the tokenizer's / model folder's own stop set (EOS, end-of-turn, generation_config)
+        self.stop_tokens = stop_tokens(config.data.tokenizer, config.model.init_from or None,
+                                       extra=tuple(int(t) for t in stop))
         max_prompt = gpt_config(config).max_seq_len - sec.max_new_tokens
         if max_prompt < 1:
             raise ConfigError(f"rl.max_new_tokens={sec.max_new_tokens} leaves no room for a prompt in "
