@@ -15,10 +15,11 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")  # lm-eval's hf model, the reference
 
+from one_line import one_line_error  # noqa: E402
+
 from crosstrain.cli.main import main  # noqa: E402
 from crosstrain.config import load_config  # noqa: E402
 from crosstrain.engine import Trainer  # noqa: E402
-from tests.one_line import one_line_error  # noqa: E402
 
 TRAIN = ["logging.progress=none", "train.steps=40", "train.seq_len=64", "train.batch_size=8", "checkpoint.every=40"]
 WORDS = ["lantern", "river", "stone", "garden", "window", "bridge", "candle"]
