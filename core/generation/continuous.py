@@ -11,6 +11,8 @@ generator. A greedy sequence therefore decodes the tokens it decodes alone, what
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,13 +116,29 @@ class ContinuousBatch:
     @torch.no_grad()
     def step(self) -> list[Sequence]:
         """One decode step for every live sequence (each gets one more token); returns the sequences that finished
-        in it (they have left the batch)."""
+        in it (they have left the batch). A step that raises leaves the batch as it was before it (:func:`undoing`),
+        so :meth:`step_alone` can then find the row that fails."""
         if not self.live:
             return []
-        last = torch.tensor([[s.tokens[-1]] for s in self.live], dtype=torch.long, device=self.device)
-        logits = self.model.forward_cached(last, self.cache.positions(self.device), self.cache, None)[:, -1]
-        append_next(self.live, logits)
-        finished = [s for s in self.live if s.done]
+        with undoing(self.live), self.cache.undoing():
+            last = torch.tensor([[s.tokens[-1]] for s in self.live], dtype=torch.long, device=self.device)
+            logits = self.model.forward_cached(last, self.cache.positions(self.device), self.cache, None)[:, -1]
+            append_next(self.live, logits)
+        return self._leave_done(self.live)
+
+    @torch.no_grad()
+    def step_alone(self, seq: Sequence) -> list[Sequence]:
+        """One decode step for the live ``seq`` only, through a one-row view of the cache: what a server runs row by
+        row after :meth:`step` raised, so only a row that fails alone fails. Raises as ``step`` does (nothing
+        changed); returns ``[seq]`` when it finished (it has left the batch), else ``[]``."""
+        with undoing([seq]), self.cache.alone(seq.row) as view:
+            last = torch.tensor([[seq.tokens[-1]]], dtype=torch.long, device=self.device)
+            logits = self.model.forward_cached(last, view.positions(self.device), view, None)[:, -1]
+            append_next([seq], logits)
+        return self._leave_done([seq])
+
+    def _leave_done(self, seqs: list[Sequence]) -> list[Sequence]:
+        finished = [s for s in seqs if s.done]
         for seq in finished:
             self.drop(seq)
         return finished
@@ -136,6 +154,20 @@ class ContinuousBatch:
             self.live[seq.row].row = seq.row
         seq.row = -1
         seq.done = True
+
+
+@contextmanager
+def undoing(seqs: list[Sequence]) -> Iterator[None]:
+    """Undo a decode step that raises: each sequence's tokens, log-probs, alternatives and ``done`` go back to what
+    they were; the exception propagates (the cache has its own: :meth:`SlotKVCache.undoing`)."""
+    saved = [(len(s.tokens), len(s.logprobs), len(s.top), s.done) for s in seqs]
+    try:
+        yield
+    except BaseException:
+        for seq, (n_tokens, n_logprobs, n_top, done) in zip(seqs, saved, strict=True):
+            del seq.tokens[n_tokens:], seq.logprobs[n_logprobs:], seq.top[n_top:]
+            seq.done = done
+        raise
 
 
 def score_prompt(seq: Sequence, logits: torch.Tensor) -> None:

@@ -12,6 +12,9 @@ token per row; the ``attention_mask`` argument of ``forward_cached`` is ignored 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from crosstrain.generation.cache import StaticKVCache
@@ -80,6 +83,32 @@ class SlotKVCache:
                 values[row, :, :n] = values[last, :, :n]
         self.lengths[row] = n
         return last
+
+    @contextmanager
+    def undoing(self) -> Iterator[None]:
+        """A decode step that raises inside leaves every row at its length before the step (the keys and values
+        it wrote lie past those lengths, where the next step writes again); the exception propagates."""
+        saved = list(self.lengths)
+        try:
+            yield
+        except BaseException:
+            self.lengths = saved
+            self._lengths_t = None
+            raise
+
+    @contextmanager
+    def alone(self, row: int) -> Iterator[SlotKVCache]:
+        """A one-row cache over live ``row``'s buffers (views: what a step writes there lands in this cache), so one
+        row can decode without the others; its new length is kept when the block exits without raising."""
+        if not 0 <= row < self.rows:
+            raise ValueError(f"row {row} is not live (live rows: 0..{self.rows - 1})")
+        view = SlotKVCache(len(self.keys), 1, self.max_len)
+        view.rows, view.lengths = 1, [self.lengths[row]]
+        view.keys = [k[row:row + 1] if k is not None else None for k in self.keys]
+        view.values = [v[row:row + 1] if v is not None else None for v in self.values]
+        yield view
+        self.lengths[row] = view.lengths[0]
+        self._lengths_t = None
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """``[rows, 1]``: each live row's next position (its length; prompts start at position 0)."""

@@ -4,17 +4,19 @@ batch, so each sequence keeps its own ``present`` arrays and a step runs one ses
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from crosstrain.generation.continuous import Sequence, admit, append_next, score_prompt
+from crosstrain.generation.continuous import Sequence, admit, append_next, score_prompt, undoing
 
 
 class OrtBatch:
-    """The :class:`~crosstrain.generation.ContinuousBatch` interface (``add``, ``step``, ``drop``, ``free``,
-    ``live``) over a :class:`~crosstrain.plugins.export.generate.OrtEngine`."""
+    """The :class:`~crosstrain.generation.ContinuousBatch` interface (``add``, ``step``, ``step_alone``, ``drop``,
+    ``free``, ``live``) over a :class:`~crosstrain.plugins.export.generate.OrtEngine`."""
 
     def __init__(self, engine: Any, slots: int) -> None:
         self.engine = engine
@@ -51,11 +53,32 @@ class OrtBatch:
         return seq
 
     def step(self) -> list[Sequence]:
+        """One token for every live sequence; a step that raises leaves every sequence and cache as it was."""
         if not self.live:
             return []
-        logits = torch.cat([self._forward(s, [s.tokens[-1]])[:, -1] for s in self.live])
-        append_next(self.live, logits)
-        finished = [s for s in self.live if s.done]
+        with undoing(self.live), self._keeping_past():
+            logits = torch.cat([self._forward(s, [s.tokens[-1]])[:, -1] for s in self.live])
+            append_next(self.live, logits)
+        return self._leave_done(self.live)
+
+    def step_alone(self, seq: Sequence) -> list[Sequence]:
+        """One token for ``seq`` only (as ``ContinuousBatch.step_alone``)."""
+        with undoing([seq]), self._keeping_past():
+            append_next([seq], self._forward(seq, [seq.tokens[-1]])[:, -1])
+        return self._leave_done([seq])
+
+    @contextmanager
+    def _keeping_past(self) -> Iterator[None]:
+        """Each call returns new ``present`` arrays, so putting back the old ones undoes a step that raised."""
+        saved = dict(self._past)
+        try:
+            yield
+        except BaseException:
+            self._past = saved
+            raise
+
+    def _leave_done(self, seqs: list[Sequence]) -> list[Sequence]:
+        finished = [s for s in seqs if s.done]
         for seq in finished:
             self.drop(seq)
         return finished

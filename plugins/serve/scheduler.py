@@ -5,6 +5,12 @@ An idle scheduler that gets a request waits up to ``max_wait_ms`` for more (dyna
 ``max_queue_delay``) so a burst starts as one batch; once decoding, arrivals join at the next step without
 waiting. The serving version is read from the :class:`ModelManager` once per loop, so a hot swap lands between
 two steps; sequences keep the version they were admitted to until they finish.
+
+Isolation: whatever one request does, the others decode on unchanged. A job leaves only through :meth:`_leave`
+(done at prefill, a stop, its token budget, its client gone, or its own failure), which frees its row. A decode step
+that raises is undone by the batch and run again row by row (``batch.step_alone``): a row that fails alone fails
+its own job (OpenAI's 500 ``server_error`` body, or an SSE error event then ``[DONE]`` for a stream), and every
+other row gets the token the batched step would have given it.
 """
 
 from __future__ import annotations
@@ -55,12 +61,10 @@ class Scheduler:
                 self._collect()
                 self._admit()
                 self._step()
-            except Exception as exc:  # never leave clients hanging: fail what is in flight, keep serving
-                for version, jobs in self._running.values():
-                    for seq in list(version.batch.live):
-                        version.batch.drop(seq)
-                    for job in jobs:
-                        job.fail(500, f"internal error while decoding: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # a bug outside any one job's decoding: fail what is in flight, keep serving
+                for version, jobs in list(self._running.values()):
+                    for job in list(jobs):
+                        self._leave(version, job, _internal("serving", exc))
                 self._running.clear()
 
     def _collect(self) -> None:
@@ -97,39 +101,73 @@ class Scheduler:
                 continue
             seq = Sequence(job.prompt, job.config, job.generator, tag=job, alternatives=job.alternatives,
                            score_prompt=job.score_prompt)
+            job.seq = seq
             try:
                 version.batch.add(seq)
             except CrosstrainError as exc:  # e.g. a prompt that no longer fits a swapped-in version's context
-                job.fail(400, str(exc))
+                self._leave(version, job, (400, str(exc)))
                 continue
             except Exception as exc:  # this job only: the others keep decoding
-                job.fail(500, f"internal error while prefilling: {type(exc).__name__}: {exc}")
+                self._leave(version, job, _internal("prefilling", exc))
                 continue
             job.started(version)
-            if job.feed(seq):
-                jobs.append(job)
-            else:  # done at prefill (a stop string on the first token)
-                self._release(version, job, seq)
+            jobs.append(job)
+            self._feed(version, job)  # done at prefill (a stop string on the first token) leaves at once
         self.metrics.queue_depth.set(self._inbox.qsize() + len(self._waiting))
-
-    @staticmethod
-    def _release(version: Version, job: Job, seq: Sequence) -> None:
-        """The one way a sequence leaves a batch (done at prefill, stopped, out of tokens, cancelled): its row is
-        freed, then its job ends."""
-        version.batch.drop(seq)
-        job.finish(seq)
 
     def _step(self) -> None:
         for number, (version, jobs) in list(self._running.items()):
             for job in [j for j in jobs if j.cancelled]:
-                self._release(version, job, job.seq)
-                jobs.remove(job)
+                self._leave(version, job)
             if jobs:
                 self.metrics.batch_size.observe(len(jobs))
-                version.batch.step()
+                self._decode(version, jobs)
                 for job in list(jobs):
-                    if not job.feed(job.seq):
-                        self._release(version, job, job.seq)
-                        jobs.remove(job)
+                    self._feed(version, job)
             if not jobs and version is not self.manager.current:
                 del self._running[number]  # an old version with nothing in flight: let it go
+
+    def _decode(self, version: Version, jobs: list[Job]) -> None:
+        """One token for every live row: one batched step, or, when it raises (the batch undid it), one step per
+        row, failing only the jobs whose row fails alone."""
+        try:
+            version.batch.step()
+            return
+        except Exception:
+            pass
+        for job in list(jobs):
+            try:
+                version.batch.step_alone(job.seq)
+            except Exception as exc:
+                self._leave(version, job, _internal("decoding this request", exc))
+
+    def _feed(self, version: Version, job: Job) -> None:
+        """Hand the job its sequence's tokens so far; a job that is done, or whose own text handling raised,
+        leaves."""
+        try:
+            going = job.feed(job.seq)
+        except Exception as exc:
+            self._leave(version, job, _internal("decoding this request's text", exc))
+            return
+        if not going:
+            self._leave(version, job)
+
+    def _leave(self, version: Version, job: Job, error: tuple[int, str] | None = None) -> None:
+        """The one way a job leaves (done at prefill, stopped, out of tokens, cancelled, failed): its row is freed,
+        it leaves its version's live jobs, then it ends, with its text or with ``error`` (status, message)."""
+        if job.seq is not None:
+            version.batch.drop(job.seq)
+        running = self._running.get(version.number)
+        if running is not None and job in running[1]:
+            running[1].remove(job)
+        if error is None:
+            try:
+                job.finish(job.seq)
+                return
+            except Exception as exc:  # its last text could not be decoded: it still gets an answer
+                error = _internal("decoding this request's text", exc)
+        job.fail(*error)
+
+
+def _internal(doing: str, exc: Exception) -> tuple[int, str]:
+    return 500, f"internal error while {doing}: {type(exc).__name__}: {exc}"

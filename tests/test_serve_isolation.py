@@ -1,0 +1,255 @@
+"""Issue 39, isolation as an invariant: whatever one request sends, the other requests complete with unchanged text
+and the server stays healthy. One in-process server (uvicorn on a thread, a real socket on 127.0.0.1) over a tiny
+run, driven by the official ``openai`` client and httpx; the last test is a hypothesis property test.
+
+No request can make a decode step raise any more (validation and the temperature floor closed the known ways), so
+the failure test injects one fault where the batch meets the model: :class:`PoisonedAt` wraps the real model as
+``ContinuousBatch.model`` (the module the batch runs, its documented interface: ``forward_cached`` and the cache
+protocol) and raises in a decode step that carries a row at position >= ``at``. The scheduler is the real one."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from crosstrain.generation import ContinuousBatch, GenerationConfig, Sequence
+from crosstrain.models.gpt import build_gpt
+
+OVERRIDES = ["train.seq_len=32", "train.batch_size=4", "model.n_layers=1", "logging.every=100"]
+PROMPTS = ["a", "The quick brown fox", "Hello, world", "x" * 40, "serve", "0123456789", "ok", "zebra"]
+POISON_AT = 200  # a decode position only the poisoned request's 200-token prompt reaches
+
+
+class PoisonedAt:
+    """``model`` except that a decode step (one token per row) carrying a row at position >= ``at`` raises: a row
+    that breaks every step it is in, as a row that overflows would. Counts the batched steps it broke."""
+
+    def __init__(self, model: Any, at: int) -> None:
+        self.model, self.at, self.broke_batched = model, at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, mask: Any) -> torch.Tensor:
+        if tokens.shape[1] == 1 and int(positions.max()) >= self.at:
+            self.broke_batched += tokens.shape[0] > 1
+            raise RuntimeError(f"poisoned row at position {int(positions.max())}")
+        return self.model.forward_cached(tokens, positions, cache, mask)
+
+
+def test_a_step_that_raises_is_undone_and_rows_step_alone_to_the_same_tokens() -> None:
+    """ContinuousBatch: a batched step that raises leaves every row's tokens and the cache as they were; each row
+    stepped alone then decodes the tokens of the unpoisoned batch (greedy), and only the poisoned row fails."""
+    torch.manual_seed(0)
+    model = build_gpt("tiny", n_layers=2, n_kv_heads=2, max_seq_len=64).eval()
+    model.init_weights()
+    prompts, poisoned = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10]], 1
+    cfg = GenerationConfig(max_new_tokens=8, greedy=True)
+
+    def run(batch: ContinuousBatch) -> list[Sequence]:
+        seqs = [batch.add(Sequence(p, cfg)) for p in prompts]
+        while batch.live:
+            batch.step()
+        return seqs
+
+    clean = run(ContinuousBatch(model, 4))
+    batch = ContinuousBatch(model, 4)
+    seqs = [batch.add(Sequence(p, cfg)) for p in prompts]
+    batch.step()
+    batch.model = PoisonedAt(model, at=len(prompts[poisoned]) + 1)  # the long row's second decode step breaks
+    before = ([list(s.tokens) for s in seqs], list(batch.cache.lengths))
+    with pytest.raises(RuntimeError, match="poisoned"):
+        batch.step()
+    assert ([list(s.tokens) for s in seqs], list(batch.cache.lengths)) == before
+    for seq in list(batch.live):
+        if seqs.index(seq) == poisoned:
+            with pytest.raises(RuntimeError, match="poisoned"):
+                batch.step_alone(seq)
+            batch.drop(seq)
+        else:
+            batch.step_alone(seq)
+    while batch.live:
+        batch.step()
+    assert [s.tokens for i, s in enumerate(seqs) if i != poisoned] == \
+        [s.tokens for i, s in enumerate(clean) if i != poisoned]
+    assert seqs[poisoned].tokens == clean[poisoned].tokens[:2]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from crosstrain.config import load_config
+    from crosstrain.engine import Trainer
+    from crosstrain.plugins.serve.config import ServeOptions
+    from crosstrain.plugins.serve.server import Server
+
+    run = tmp_path_factory.mktemp("iso") / "run"
+    Trainer(load_config(None, ["train.steps=2", *OVERRIDES]), run_dir=run).fit()
+    server = Server(ServeOptions(str(run), port=0, max_batch=16, max_wait_ms=20, threads=1))
+    with server:
+        url = server.url
+        solo = {p: _complete(url, p, 24)["choices"][0]["text"] for p in PROMPTS}
+        yield {"server": server, "url": url, "name": server.name, "solo": solo}
+
+
+def _complete(url: str, prompt: Any, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                   **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _stream_text(url: str, name: str, prompt: str, max_tokens: int, started: threading.Barrier | None) -> str:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    parts = []
+    for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True):
+        parts.append(chunk.choices[0].text)
+        if started is not None and len(parts) == 1:
+            started.wait(timeout=120)
+    return "".join(parts)
+
+
+def _idle(url: str) -> dict[str, Any]:
+    """/health once no sequence is in flight (a cancelled stream leaves at the scheduler's next step)."""
+    event = threading.Event()
+    for _ in range(200):
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        if health["running"] == 0:
+            return dict(health)
+        event.wait(0.05)
+    return dict(health)
+
+
+def _beside_streams(served: dict[str, Any], intruder: Any, max_tokens: int = 24) -> tuple[list[str], Any]:
+    """8 greedy streams; once each has its first chunk, ``intruder(url)`` runs beside them. Their texts and its
+    result."""
+    url, name = served["url"], served["name"]
+    started = threading.Barrier(len(PROMPTS) + 1)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = [pool.submit(_stream_text, url, name, p, max_tokens, started) for p in PROMPTS]
+        started.wait(timeout=120)
+        result = intruder(url)
+        return [s.result(timeout=120) for s in streams], result
+
+
+def test_a_2e_38_temperature_beside_8_streams_leaves_them_unchanged(served: dict[str, Any]) -> None:
+    """Issue 39's probe: ``temperature=2e-38`` overflowed ``logits / temperature`` and its multinomial failed all 8
+    streams beside it. Now it is greedy (below MIN_TEMPERATURE) and every stream has its solo greedy text."""
+    def tiny_temperature(url: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", json={"prompt": "serve", "max_tokens": 24, "temperature": 2e-38},
+                          timeout=120)
+
+    texts, reply = _beside_streams(served, tiny_temperature)
+    assert texts == [served["solo"][p] for p in PROMPTS]
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == served["solo"]["serve"]
+    assert _idle(served["url"])["running"] == 0
+
+
+def test_a_request_that_breaks_the_batched_step_fails_only_itself(served: dict[str, Any]) -> None:
+    """A row that makes every step it is in raise (PoisonedAt) joins 8 decoding streams, once as a plain request
+    (an OpenAI 500 ``server_error`` body) and once as a stream (an SSE error event, then ``[DONE]``); the 8 streams
+    keep their solo greedy text, and the server serves on."""
+    batch = served["server"].manager.current.batch
+    poisoned = PoisonedAt(batch.model, POISON_AT)
+    long_prompt = "p" * POISON_AT
+    batch.model = poisoned
+    try:
+        def plain(url: str) -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", json={"prompt": long_prompt, "max_tokens": 8,
+                                                             "temperature": 0}, timeout=120)
+
+        texts, reply = _beside_streams(served, plain, max_tokens=48)
+        assert texts == [_complete(served["url"], p, 48)["choices"][0]["text"] for p in PROMPTS]
+        assert reply.status_code == 500, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "server_error" and "poisoned row" in error["message"]
+
+        def streamed(url: str) -> list[str]:
+            with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": long_prompt, "max_tokens": 8,
+                                                                     "temperature": 0, "stream": True},
+                              timeout=120) as r:
+                assert r.status_code == 200
+                return [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+
+        texts, events = _beside_streams(served, streamed, max_tokens=48)
+        assert texts == [_complete(served["url"], p, 48)["choices"][0]["text"] for p in PROMPTS]
+        assert events[-1] == "[DONE]" and "poisoned row" in json.loads(events[-2])["error"]["message"]
+        assert poisoned.broke_batched >= 2  # the fault really hit steps shared with the streams
+    finally:
+        batch.model = poisoned.model
+    assert _idle(served["url"])["running"] == 0
+    assert _complete(served["url"], "serve", 24)["choices"][0]["text"] == served["solo"]["serve"]
+
+
+# -- the property: random and adversarial requests beside a steady client -----------------------------------------
+_NUMBER = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=64), st.sampled_from([0, 2e-38, 1e-300,
+                    1e-5, 1, 2, 1e300, -1]), st.integers(-(2**70), 2**70))
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=40) | st.sampled_from(["\ud800", "a\udfffb", "\x00", "é" * 20])
+_STOP = st.one_of(st.none(), _TEXT, st.lists(_TEXT, max_size=20),
+                  st.just(["s" * 500] * 2000), st.just(["\ud800"]), st.integers())
+_BODY = st.fixed_dictionaries(
+    {"prompt": st.one_of(_TEXT, st.lists(st.integers(-5, 600), max_size=8), st.just("p" * 300))},
+    optional={"max_tokens": st.one_of(st.integers(-3, 24), st.just(10**9), st.text(max_size=3)),
+              "temperature": _NUMBER, "top_p": _NUMBER, "top_k": st.one_of(st.integers(-3, 600), _NUMBER),
+              "seed": st.one_of(st.integers(-(2**65), 2**65), st.sampled_from([2**64 - 1, 2**64])),
+              "stop": _STOP, "stream": st.one_of(st.booleans(), st.just("yes")), "logprobs": st.integers(-1, 25),
+              "echo": st.booleans(), "n": st.integers(0, 3), "best_of": st.integers(0, 3),
+              "presence_penalty": _NUMBER, "bogus": st.integers()})
+
+
+def _send(url: str, body: dict[str, Any], abort: bool) -> int:
+    """POST ``body`` raw (lone surrogates escaped, as a client's JSON encoder would send them); a stream is read to
+    its end, or with ``abort`` closed after its first event. The status."""
+    raw = json.dumps(body)  # ensure_ascii: "\ud800" travels as the escape, which the server must refuse
+    headers = {"content-type": "application/json"}
+    with httpx.stream("POST", f"{url}/v1/completions", content=raw, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if abort and line.startswith("data: "):
+                break
+        return r.status_code
+
+
+def test_no_request_breaks_another_or_the_server(served: dict[str, Any]) -> None:
+    """Hypothesis drives random and adversarial bodies (parameters in and out of range, stop strings and a 2000 x
+    500 stop list, lone surrogates, token ids outside the vocabulary, streams and aborted streams) while a steady
+    client repeats one greedy request: every reply is 2xx or 4xx (never a 5xx, never past the 60 s client timeout),
+    every steady reply has its solo text, /health is ok at the end and no row is left busy."""
+    url = served["url"]
+    stop, steady, steady_codes = threading.Event(), [], []
+
+    def steady_client() -> None:
+        while not stop.is_set():
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 24,
+                                                          "temperature": 0}, timeout=60)
+            steady_codes.append(r.status_code)
+            if r.status_code == 200:
+                steady.append(r.json()["choices"][0]["text"])
+
+    @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(body=_BODY, abort=st.booleans())
+    def one_request(body: dict[str, Any], abort: bool) -> None:
+        status = _send(url, body, abort)
+        assert 200 <= status < 500, (status, body)
+
+    thread = threading.Thread(target=steady_client, daemon=True)
+    thread.start()
+    try:
+        one_request()
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert steady and set(steady) == {served["solo"]["The quick brown fox"]} and set(steady_codes) == {200}
+    health = _idle(url)
+    assert health["status"] == "ok" and health["running"] == 0
+    assert served["server"].manager.current.batch.free == 16  # every row released
