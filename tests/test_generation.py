@@ -86,6 +86,8 @@ def test_sampling_seeded_top_k_top_p_and_stop_tokens() -> None:
     assert filter_logits(logits, top_p=0.8).isfinite().tolist() == [[True, True, False, False]]
     assert filter_logits(logits, top_p=0.81).isfinite().tolist() == [[True, True, True, False]]
     assert filter_logits(logits, top_k=1).isfinite().tolist() == [[True, False, False, False]]
+    # the most likely token always stays, even for a top_p that is 0 in fp32 (issue 39: NaN, then multinomial raised)
+    assert filter_logits(logits, top_p=1e-300).isfinite().tolist() == [[True, False, False, False]]
     torch.testing.assert_close(filter_logits(logits, temperature=2.0), logits / 2.0)
     # empirical frequencies of 20000 draws match the renormalised nucleus {0.5, 0.3, 0.15} / 0.95
     from crosstrain.generation import next_tokens

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from crosstrain.generation import ContinuousBatch, GenerationConfig, Sequence
@@ -26,7 +26,8 @@ from crosstrain.models.gpt import build_gpt
 
 OVERRIDES = ["train.seq_len=32", "train.batch_size=4", "model.n_layers=1", "logging.every=100"]
 PROMPTS = ["a", "The quick brown fox", "Hello, world", "x" * 40, "serve", "0123456789", "ok", "zebra"]
-POISON_AT = 200  # a decode position only the poisoned request's 200-token prompt reaches
+N = 150  # new tokens per stream: a request sent after the streams' first chunks joins them while they decode
+POISON_AT = 200  # a decode position only the poisoned request's 200-token prompt reaches (others: < 40 + N)
 
 
 class PoisonedAt:
@@ -96,7 +97,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     server = Server(ServeOptions(str(run), port=0, max_batch=16, max_wait_ms=20, threads=1))
     with server:
         url = server.url
-        solo = {p: _complete(url, p, 24)["choices"][0]["text"] for p in PROMPTS}
+        solo = {p: _complete(url, p, N)["choices"][0]["text"] for p in PROMPTS}
         yield {"server": server, "url": url, "name": server.name, "solo": solo}
 
 
@@ -131,13 +132,13 @@ def _idle(url: str) -> dict[str, Any]:
     return dict(health)
 
 
-def _beside_streams(served: dict[str, Any], intruder: Any, max_tokens: int = 24) -> tuple[list[str], Any]:
+def _beside_streams(served: dict[str, Any], intruder: Any) -> tuple[list[str], Any]:
     """8 greedy streams; once each has its first chunk, ``intruder(url)`` runs beside them. Their texts and its
     result."""
     url, name = served["url"], served["name"]
     started = threading.Barrier(len(PROMPTS) + 1)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        streams = [pool.submit(_stream_text, url, name, p, max_tokens, started) for p in PROMPTS]
+        streams = [pool.submit(_stream_text, url, name, p, N, started) for p in PROMPTS]
         started.wait(timeout=120)
         result = intruder(url)
         return [s.result(timeout=120) for s in streams], result
@@ -145,14 +146,18 @@ def _beside_streams(served: dict[str, Any], intruder: Any, max_tokens: int = 24)
 
 def test_a_2e_38_temperature_beside_8_streams_leaves_them_unchanged(served: dict[str, Any]) -> None:
     """Issue 39's probe: ``temperature=2e-38`` overflowed ``logits / temperature`` and its multinomial failed all 8
-    streams beside it. Now it is greedy (below MIN_TEMPERATURE) and every stream has its solo greedy text."""
-    def tiny_temperature(url: str) -> httpx.Response:
-        return httpx.post(f"{url}/v1/completions", json={"prompt": "serve", "max_tokens": 24, "temperature": 2e-38},
-                          timeout=120)
+    streams beside it. Now it is greedy (below MIN_TEMPERATURE) and every stream has its solo greedy text. The tiny
+    model's logits are small enough that 2e-38 alone would not overflow them, so 1e-40 (an fp32 subnormal) and
+    1e-300 (0 in fp32) go with it: without the floor those two raise in the sampler."""
+    def tiny_temperatures(url: str) -> list[httpx.Response]:
+        with ThreadPoolExecutor(3) as pool:
+            return list(pool.map(lambda t: httpx.post(f"{url}/v1/completions", json={
+                "prompt": "serve", "max_tokens": N, "temperature": t}, timeout=120), (2e-38, 1e-40, 1e-300)))
 
-    texts, reply = _beside_streams(served, tiny_temperature)
+    texts, replies = _beside_streams(served, tiny_temperatures)
     assert texts == [served["solo"][p] for p in PROMPTS]
-    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == served["solo"]["serve"]
+    assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
+    assert [r.json()["choices"][0]["text"] for r in replies] == [served["solo"]["serve"]] * 3
     assert _idle(served["url"])["running"] == 0
 
 
@@ -169,8 +174,8 @@ def test_a_request_that_breaks_the_batched_step_fails_only_itself(served: dict[s
             return httpx.post(f"{url}/v1/completions", json={"prompt": long_prompt, "max_tokens": 8,
                                                              "temperature": 0}, timeout=120)
 
-        texts, reply = _beside_streams(served, plain, max_tokens=48)
-        assert texts == [_complete(served["url"], p, 48)["choices"][0]["text"] for p in PROMPTS]
+        texts, reply = _beside_streams(served, plain)
+        assert texts == [served["solo"][p] for p in PROMPTS]
         assert reply.status_code == 500, reply.text
         error = reply.json()["error"]
         assert error["type"] == "server_error" and "poisoned row" in error["message"]
@@ -182,14 +187,14 @@ def test_a_request_that_breaks_the_batched_step_fails_only_itself(served: dict[s
                 assert r.status_code == 200
                 return [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
 
-        texts, events = _beside_streams(served, streamed, max_tokens=48)
-        assert texts == [_complete(served["url"], p, 48)["choices"][0]["text"] for p in PROMPTS]
+        texts, events = _beside_streams(served, streamed)
+        assert texts == [served["solo"][p] for p in PROMPTS]
         assert events[-1] == "[DONE]" and "poisoned row" in json.loads(events[-2])["error"]["message"]
         assert poisoned.broke_batched >= 2  # the fault really hit steps shared with the streams
     finally:
         batch.model = poisoned.model
     assert _idle(served["url"])["running"] == 0
-    assert _complete(served["url"], "serve", 24)["choices"][0]["text"] == served["solo"]["serve"]
+    assert _complete(served["url"], "serve", N)["choices"][0]["text"] == served["solo"]["serve"]
 
 
 # -- the property: random and adversarial requests beside a steady client -----------------------------------------
@@ -198,7 +203,7 @@ _NUMBER = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=64), 
 _TEXT = st.text(st.characters(codec="utf-8"), max_size=40) | st.sampled_from(["\ud800", "a\udfffb", "\x00", "é" * 20])
 _STOP = st.one_of(st.none(), _TEXT, st.lists(_TEXT, max_size=20),
                   st.just(["s" * 500] * 2000), st.just(["\ud800"]), st.integers())
-_BODY = st.fixed_dictionaries(
+_WILD = st.fixed_dictionaries(  # anything: most of these are refused (400), some pass
     {"prompt": st.one_of(_TEXT, st.lists(st.integers(-5, 600), max_size=8), st.just("p" * 300))},
     optional={"max_tokens": st.one_of(st.integers(-3, 24), st.just(10**9), st.text(max_size=3)),
               "temperature": _NUMBER, "top_p": _NUMBER, "top_k": st.one_of(st.integers(-3, 600), _NUMBER),
@@ -206,14 +211,29 @@ _BODY = st.fixed_dictionaries(
               "stop": _STOP, "stream": st.one_of(st.booleans(), st.just("yes")), "logprobs": st.integers(-1, 25),
               "echo": st.booleans(), "n": st.integers(0, 3), "best_of": st.integers(0, 3),
               "presence_penalty": _NUMBER, "bogus": st.integers()})
+_EDGE = st.fixed_dictionaries(  # valid bodies at the edges of every range: these must decode (200)
+    {"prompt": st.one_of(st.text(st.characters(codec="utf-8"), min_size=1, max_size=40),
+                         st.lists(st.integers(0, 255), min_size=1, max_size=8)),
+     "max_tokens": st.integers(0, 24)},
+    optional={"temperature": st.one_of(st.sampled_from([0, 2e-38, 1e-300, 1e-5, 1.0000001e-5, 1e6, 1e300]),
+                                       st.floats(0, 4)),
+              "top_p": st.one_of(st.sampled_from([1e-300, 1e-9, 1]), st.floats(0, 1, exclude_min=True)),
+              "top_k": st.integers(-1, 600), "seed": st.integers(0, 2**64 - 1),
+              "stop": st.lists(st.text(st.characters(codec="utf-8"), max_size=256), max_size=16),
+              "stream": st.booleans()})
 
 
-def _send(url: str, body: dict[str, Any], abort: bool) -> int:
-    """POST ``body`` raw (lone surrogates escaped, as a client's JSON encoder would send them); a stream is read to
-    its end, or with ``abort`` closed after its first event. The status."""
+def _send(url: str, body: dict[str, Any], chat: bool, abort: bool) -> int:
+    """POST ``body`` raw (lone surrogates escaped, as a client's JSON encoder would send them), with ``chat`` to the
+    chat endpoint (the prompt as the user's message; echo and logprobs as they are: chat refuses an int logprobs);
+    a stream is read to its end, or with ``abort`` closed after its first event. The status."""
+    endpoint = "completions"
+    if chat:
+        endpoint, prompt = "chat/completions", body.pop("prompt")
+        body["messages"] = [{"role": "user", "content": prompt}]
     raw = json.dumps(body)  # ensure_ascii: "\ud800" travels as the escape, which the server must refuse
     headers = {"content-type": "application/json"}
-    with httpx.stream("POST", f"{url}/v1/completions", content=raw, headers=headers, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/{endpoint}", content=raw, headers=headers, timeout=60) as r:
         for line in r.iter_lines():
             if abort and line.startswith("data: "):
                 break
@@ -226,7 +246,7 @@ def test_no_request_breaks_another_or_the_server(served: dict[str, Any]) -> None
     client repeats one greedy request: every reply is 2xx or 4xx (never a 5xx, never past the 60 s client timeout),
     every steady reply has its solo text, /health is ok at the end and no row is left busy."""
     url = served["url"]
-    stop, steady, steady_codes = threading.Event(), [], []
+    stop, steady, steady_codes, statuses = threading.Event(), [], [], []
 
     def steady_client() -> None:
         while not stop.is_set():
@@ -237,9 +257,15 @@ def test_no_request_breaks_another_or_the_server(served: dict[str, Any]) -> None
                 steady.append(r.json()["choices"][0]["text"])
 
     @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(body=_BODY, abort=st.booleans())
-    def one_request(body: dict[str, Any], abort: bool) -> None:
-        status = _send(url, body, abort)
+    @given(body=_WILD | _EDGE, chat=st.booleans(), abort=st.booleans())
+    @example(body={"prompt": "a", "max_tokens": 8, "temperature": 2e-38, "stream": True}, chat=False, abort=False)
+    @example(body={"prompt": "0", "max_tokens": 1, "top_p": 1e-300}, chat=False, abort=False)  # once a 500
+    @example(body={"prompt": "a", "stop": ["s" * 500] * 2000}, chat=True, abort=False)
+    @example(body={"prompt": "a\ud800", "max_tokens": 4}, chat=False, abort=False)
+    @example(body={"prompt": "Hello", "max_tokens": 24, "stream": True}, chat=True, abort=True)
+    def one_request(body: dict[str, Any], chat: bool, abort: bool) -> None:
+        status = _send(url, body, chat, abort)
+        statuses.append(status)
         assert 200 <= status < 500, (status, body)
 
     thread = threading.Thread(target=steady_client, daemon=True)
@@ -249,7 +275,8 @@ def test_no_request_breaks_another_or_the_server(served: dict[str, Any]) -> None
     finally:
         stop.set()
         thread.join(timeout=120)
-    assert steady and set(steady) == {served["solo"]["The quick brown fox"]} and set(steady_codes) == {200}
+    assert 200 in statuses and 400 in statuses  # both kinds were really driven
+    assert steady and set(steady) == {served["solo"]["The quick brown fox"][:len(steady[0])]} and set(steady_codes) == {200}
     health = _idle(url)
     assert health["status"] == "ok" and health["running"] == 0
     assert served["server"].manager.current.batch.free == 16  # every row released

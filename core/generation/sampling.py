@@ -26,6 +26,7 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
         sorted_p = sorted_logits.softmax(-1)
         drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
+        drop_sorted[..., 0] = False  # a top_p under fp32's smallest (1e-300) compares as 0 and would drop them all
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled
