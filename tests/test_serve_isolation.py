@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,8 +32,9 @@ POISON_AT = 200  # a decode position only the poisoned request's 200-token promp
 
 
 class PoisonedAt:
-    """``model`` except that a decode step (one token per row) carrying a row at position >= ``at`` raises: a row
-    that breaks every step it is in, as a row that overflows would. Counts the batched steps it broke."""
+    """``model`` except that a decode step (one token per row) carrying a row at position >= ``at`` raises once it
+    has run (the cache already moved on, as when sampling fails): a row that breaks every step it is in, as a row
+    that overflows would. Counts the batched steps it broke."""
 
     def __init__(self, model: Any, at: int) -> None:
         self.model, self.at, self.broke_batched = model, at, 0
@@ -41,38 +43,50 @@ class PoisonedAt:
         return getattr(self.model, name)
 
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, mask: Any) -> torch.Tensor:
+        logits = self.model.forward_cached(tokens, positions, cache, mask)  # first: the cache has moved on
         if tokens.shape[1] == 1 and int(positions.max()) >= self.at:
             self.broke_batched += tokens.shape[0] > 1
             raise RuntimeError(f"poisoned row at position {int(positions.max())}")
-        return self.model.forward_cached(tokens, positions, cache, mask)
+        return logits
 
 
-def test_a_step_that_raises_is_undone_and_rows_step_alone_to_the_same_tokens() -> None:
-    """ContinuousBatch: a batched step that raises leaves every row's tokens and the cache as they were; each row
+class PoisonedEngine:
+    """:class:`PoisonedAt` for an onnxruntime engine (``OrtBatch.engine``): a one-token call whose past holds
+    ``at`` or more slots raises."""
+
+    def __init__(self, engine: Any, at: int) -> None:
+        self.engine, self.at = engine, at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def forward(self, ids: Any, cache: list[Any]) -> Any:
+        out = self.engine.forward(ids, cache)
+        if ids.shape[1] == 1 and cache[0].shape[2] >= self.at:
+            raise RuntimeError(f"poisoned row at position {cache[0].shape[2]}")
+        return out
+
+
+def _undone_then_alone(make: Callable[[], Any], poison: Callable[[Any, int], None],
+                       state: Callable[[Any], Any] = lambda batch: None) -> None:
+    """A batched step that raises leaves every row's tokens (and the batch's ``state``) as they were; each row
     stepped alone then decodes the tokens of the unpoisoned batch (greedy), and only the poisoned row fails."""
-    torch.manual_seed(0)
-    model = build_gpt("tiny", n_layers=2, n_kv_heads=2, max_seq_len=64).eval()
-    model.init_weights()
     prompts, poisoned = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10]], 1
     cfg = GenerationConfig(max_new_tokens=8, greedy=True)
-
-    def run(batch: ContinuousBatch) -> list[Sequence]:
-        seqs = [batch.add(Sequence(p, cfg)) for p in prompts]
-        while batch.live:
-            batch.step()
-        return seqs
-
-    clean = run(ContinuousBatch(model, 4))
-    batch = ContinuousBatch(model, 4)
+    clean_batch = make()
+    clean = [clean_batch.add(Sequence(p, cfg)) for p in prompts]
+    while clean_batch.live:
+        clean_batch.step()
+    batch = make()
     seqs = [batch.add(Sequence(p, cfg)) for p in prompts]
     batch.step()
-    batch.model = PoisonedAt(model, at=len(prompts[poisoned]) + 1)  # the long row's second decode step breaks
-    before = ([list(s.tokens) for s in seqs], list(batch.cache.lengths))
+    poison(batch, len(prompts[poisoned]) + 1)  # the long row's second decode step breaks; the others never get there
+    before = ([list(s.tokens) for s in seqs], state(batch))
     with pytest.raises(RuntimeError, match="poisoned"):
         batch.step()
-    assert ([list(s.tokens) for s in seqs], list(batch.cache.lengths)) == before
+    assert ([list(s.tokens) for s in seqs], state(batch)) == before and len(batch.live) == 3
     for seq in list(batch.live):
-        if seqs.index(seq) == poisoned:
+        if seq is seqs[poisoned]:
             with pytest.raises(RuntimeError, match="poisoned"):
                 batch.step_alone(seq)
             batch.drop(seq)
@@ -80,9 +94,34 @@ def test_a_step_that_raises_is_undone_and_rows_step_alone_to_the_same_tokens() -
             batch.step_alone(seq)
     while batch.live:
         batch.step()
-    assert [s.tokens for i, s in enumerate(seqs) if i != poisoned] == \
-        [s.tokens for i, s in enumerate(clean) if i != poisoned]
-    assert seqs[poisoned].tokens == clean[poisoned].tokens[:2]
+    assert [s.tokens for s in seqs] == [c.tokens if c is not clean[poisoned] else c.tokens[:2] for c in clean]
+
+
+def test_a_step_that_raises_is_undone_and_rows_step_alone_to_the_same_tokens() -> None:
+    """ContinuousBatch (torch): also every row's cache length is back where it was after the failed step."""
+    torch.manual_seed(0)
+    model = build_gpt("tiny", n_layers=2, n_kv_heads=2, max_seq_len=64).eval()
+    model.init_weights()
+
+    def poison(batch: ContinuousBatch, at: int) -> None:
+        batch.model = PoisonedAt(model, at)
+
+    _undone_then_alone(lambda: ContinuousBatch(model, 4), poison, lambda batch: list(batch.cache.lengths))
+
+
+def test_the_onnxruntime_batch_undoes_a_failed_step_too(served: dict[str, Any], tmp_path: Path) -> None:
+    """OrtBatch: each sequence's ``present`` arrays go back to those before the failed step."""
+    from crosstrain.plugins.export.generate import OrtEngine
+    from crosstrain.plugins.export.loading import load_model
+    from crosstrain.plugins.export.onnx_export import export_onnx
+    from crosstrain.plugins.serve.ort_batch import OrtBatch
+
+    engine = OrtEngine(export_onnx(load_model(served["run"]), tmp_path / "m.onnx").path)
+
+    def poison(batch: OrtBatch, at: int) -> None:
+        batch.engine = PoisonedEngine(engine, at)
+
+    _undone_then_alone(lambda: OrtBatch(engine, 4), poison)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +137,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     with server:
         url = server.url
         solo = {p: _complete(url, p, N)["choices"][0]["text"] for p in PROMPTS}
-        yield {"server": server, "url": url, "name": server.name, "solo": solo}
+        yield {"server": server, "url": url, "name": server.name, "solo": solo, "run": run}
 
 
 def _complete(url: str, prompt: Any, max_tokens: int, **extra: Any) -> dict[str, Any]:
