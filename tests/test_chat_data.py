@@ -119,6 +119,23 @@ def test_a_template_file_and_none(tok_dir, hf_tok, tmp_path, capsys) -> None:
     own = _show(capsys, "sft", _sets(tok_dir, path))
     marked = _show(capsys, "sft", _sets(tok_dir, path, f"data.chat_template={template}"))
     assert marked["chat_template"] == str(template.resolve()) and marked["rows"] == own["rows"]
+    # a template that renders the row's tools: the ids are transformers' with tools=, the tools text is no loss token
+    tooled = tmp_path / "tools.jinja"
+    tooled.write_text(
+        "{% if tools %}{{ bos_token }}<|start_header_id|>system<|end_header_id|>\n\nTools: "
+        "{{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}<|eot_id|>"
+        "{% set bos_token = '' %}{% endif %}" + LLAMA3_TEMPLATE_MARKED
+    )
+    row = ROWS[-1]
+    got = _show(
+        capsys, "sft", _sets(tok_dir, write_jsonl(tmp_path / "tools.jsonl", [row]), f"data.chat_template={tooled}")
+    )
+    ids = hf_tok.apply_chat_template(
+        row["messages"], tools=row["tools"], chat_template=tooled.read_text(), tokenize=True, return_dict=True
+    )
+    shown = got["rows"][0]
+    assert shown["input_ids"] == list(ids["input_ids"]) and "Tools: add<|eot_id|>" in shown["text"]
+    assert shown["trained_text"] == "Paris." + EOT
     # none: crosstrain's <|role|> format, trained on the last message, BOS from the tokenizer, EOS appended
     plain = _show(capsys, "sft", _sets(tok_dir, path, "data.chat_template=none"))
     assert plain["chat_template"] == "crosstrain"
@@ -229,3 +246,18 @@ def test_bad_templates_and_recipes_are_one_line(tok_dir, tmp_path, capsys) -> No
     err = _fails(["data", "show", "--recipe", "lm"], capsys)
     assert "data info" in err
     assert "--rows" in _fails([*show, "--rows", "0"], capsys)
+
+
+def test_spans_mask_tokens_and_truncation_keeps_the_prompt_end() -> None:
+    from crosstrain.data.tokenizer import ByteTokenizer
+    from crosstrain.plugins.rlhf.data import Rendered, encode_rendered
+
+    tok = ByteTokenizer()
+    ids, offsets = tok.encode_offsets("aé")  # a 2-byte character: both bytes belong to character 1
+    assert ids.tolist() == [97, 0xC3, 0xA9] and offsets.tolist() == [[0, 1], [1, 2], [1, 2]]
+    row = Rendered("abcXYdeZW", spans=((3, 5), (7, 9)), templated=True)  # two trained turns with a gap
+    full = encode_rendered(tok, row, 64, 64)
+    assert full.loss_mask().astype(int).tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1] and full.prompt_len == 3
+    cut = encode_rendered(tok, row, 6, 2)  # the prompt keeps its last 2 tokens, the rest its first 4
+    assert bytes(cut.ids.astype("uint8")) == b"bcXYde" and cut.truncated
+    assert cut.loss_mask().astype(int).tolist() == [0, 0, 1, 1, 0, 0] and cut.prompt_len == 2

@@ -15,7 +15,6 @@ template transformers ships for Llama, Qwen, Mistral and Gemma does); one that d
 
 from __future__ import annotations
 
-import hashlib
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -35,27 +34,33 @@ def _transformers_tokenizer(folder: str) -> Any:
             "a chat template needs the 'transformers' package; pip install 'crosstrain[hf]', or set "
             "data.chat_template=none"
         ) from None
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        raise ConfigError(
+            f"transformers cannot load the tokenizer folder {folder} to render its chat template ({first}); fix "
+            "the folder or set data.chat_template=none"
+        ) from None
 
 
 class ChatTemplate:
-    """A tokenizer folder's chat template (``template=None``) or a template text, rendered by transformers."""
+    """A tokenizer folder's chat template (``template=None``) or a template text, rendered by transformers (loaded
+    at the first render, so string rows never import it)."""
 
     def __init__(self, folder: str, template: str | None, source: str) -> None:
         self.folder = folder
         self.template = template
         #: what summary.json says was used: "tokenizer" or the template file's path
         self.source = source
-        self.tokenizer = _transformers_tokenizer(folder)
-        text = template if template is not None else self.tokenizer.chat_template
-        self.sha256 = hashlib.sha256(str(text).encode()).hexdigest()
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, add_generation_prompt: bool = False
     ) -> str:
         """``tokenizer.apply_chat_template(messages, tokenize=False)``; a template error is a ValueError."""
+        tokenizer = _transformers_tokenizer(self.folder)
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
                 chat_template=self.template,
@@ -63,7 +68,8 @@ class ChatTemplate:
                 tokenize=False,
             )
         except Exception as exc:  # jinja2's TemplateError, or the template's own raise_exception
-            raise ValueError(f"the chat template cannot render it ({type(exc).__name__}: {exc})") from None
+            first = (str(exc).splitlines() or [""])[0]
+            raise ValueError(f"the chat template cannot render it ({type(exc).__name__}: {first})") from None
         return str(text)
 
     def _prefix(self, head: str, full: str, what: str) -> None:
