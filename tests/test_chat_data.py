@@ -261,3 +261,15 @@ def test_spans_mask_tokens_and_truncation_keeps_the_prompt_end() -> None:
     cut = encode_rendered(tok, row, 6, 2)  # the prompt keeps its last 2 tokens, the rest its first 4
     assert bytes(cut.ids.astype("uint8")) == b"bcXYde" and cut.truncated
     assert cut.loss_mask().astype(int).tolist() == [0, 0, 1, 1, 0, 0] and cut.prompt_len == 2
+
+
+def test_data_show_prints_text_trained_tokens_and_mask(tok_dir, tmp_path, capsys) -> None:
+    path = write_jsonl(tmp_path / "chat.jsonl", ROWS[:1])
+    capsys.readouterr()
+    assert crosstrain_main(["data", "show", "--recipe", "sft", *_sets(tok_dir, path), "--rows", "1"]) == 0
+    out = capsys.readouterr().out
+    shown = _show(capsys, "sft", _sets(tok_dir, path), rows=1)["rows"][0]
+    n, trained = len(shown["input_ids"]), sum(shown["loss_mask"])
+    assert "chat template tokenizer" in out and f"--- row 0: {n} tokens, {trained} in the loss" in out
+    assert "--- in the loss: 'Paris.<|eot_id|>'" in out
+    assert "--- loss_mask: " + "0" * (n - trained) + "1" * trained in out
