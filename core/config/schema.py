@@ -71,6 +71,10 @@ class DataConfig(Section):
                                                     "inside each document and positions restart at its start")
     skip_bad_rows: bool = Field(default=False, description="JSONL recipes (sft/rm/dpo): skip malformed rows, counted, "
                                 "instead of stopping at the first one")
+    chat_template: str = Field(default="auto", min_length=1, description='JSONL recipes: how "messages" rows become '
+                               'text; "auto" = the data.tokenizer folder\'s chat template (transformers\' '
+                               "apply_chat_template) when it has one, else crosstrain's <|role|> format; \"none\" = "
+                               "crosstrain's format; or the path of a Jinja chat template (docs/rlhf.md)")
 
 
 class OptimConfig(Section):

@@ -95,6 +95,7 @@ class HFTokenizer:
                               "'crosstrain tokenizer train' or use a Hugging Face tokenizer folder") from None
         self.vocab_size = int(self.info["vocab_size"])
         self.eos_id: int | None = self.info["eos_id"]
+        self.eos_token: str | None = self.info["eos_token"]
         self.name = f"{self.path.name} ({self.info['sha256'][:12]})"
 
     def _text(self, text: str | bytes) -> str:
@@ -103,6 +104,13 @@ class HFTokenizer:
     def encode(self, text: str | bytes) -> np.ndarray:
         ids = self.tokenizer.encode(self._text(text), add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.uint32)
+
+    def encode_offsets(self, text: str, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of ``text`` and each token's ``[start, end)`` character range; ``add_special_tokens`` applies the
+        tokenizer's post-processor (BOS/EOS as its ``tokenizer.json`` adds them; added tokens get empty ranges)."""
+        enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(enc.ids, dtype=np.uint32), offsets
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets nobody here reads: ~1.8x faster

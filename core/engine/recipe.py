@@ -148,6 +148,15 @@ class Recipe:
         """Extra keys for summary.json."""
         return {}
 
+    def show_data(self, n: int) -> dict[str, Any]:
+        """After :meth:`validate`: ``{"rows": [...], ...}``, the first ``n`` training rows exactly as the loss sees
+        them, each with ``text``, ``input_ids`` and ``loss_mask``, plus what describes them (``source``,
+        ``chat_template``) for ``crosstrain data show``. Recipes over token files have none to show."""
+        from crosstrain.errors import ConfigError
+
+        raise ConfigError(f"--recipe {self.name} reads token files, not rows; 'crosstrain data info FILE' describes "
+                          "one (data show is for the JSONL recipes: sft, rm, dpo, grpo, ppo)")
+
     def data_split(self) -> dict[str, Any]:
         """How the data was split into training and validation parts; the loop writes it to data_split.json."""
         return {}

@@ -1,20 +1,30 @@
-"""JSONL rows for SFT and preference training, the chat template, tokenisation, truncation and padded batches.
+"""JSONL rows for SFT and preference training, chat templates, tokenisation, truncation and padded batches.
 
 Rows (one JSON object per line):
 
-- SFT: ``{"prompt": str, "completion": str}`` or ``{"messages": [{"role", "content"}, ...]}`` (the last message is
-  the assistant's completion, everything before it the prompt).
+- SFT: ``{"prompt": str, "completion": str}`` or ``{"messages": [{"role", "content"}, ...], "tools": [...]}``.
 - Preference: ``{"prompt", "chosen", "rejected"}``, each a string, or in messages form (``prompt`` a message list,
   ``chosen``/``rejected`` assistant message lists; without ``prompt`` the shared prefix of ``chosen`` and
   ``rejected`` is the prompt, as in TRL's implicit-prompt datasets).
 
-The chat template renders each message as ``<|{role}|>\\n{content}\\n`` and a prompt ends with the generation
-prompt ``<|assistant|>\\n``; a completion is ``{content}\\n``. String prompts and completions are used verbatim.
+``data.chat_template`` (:mod:`crosstrain.data.chat_template`) picks how messages become text. With the tokenizer's
+own template (``auto`` with a template in the tokenizer folder, or a PATH) a conversation is rendered by
+transformers' ``apply_chat_template`` and tokenised without added special tokens, exactly as
+``apply_chat_template(messages, tokenize=True)`` does: the template writes BOS and each turn's end-of-turn token.
+SFT trains on every assistant message and its end-of-turn token (TRL's ``assistant_only_loss``); preference rows
+train on the completion after the generation prompt. Otherwise (``none``, or ``auto`` without a template)
+crosstrain's format renders each message as ``<|{role}|>\\n{content}\\n``, a prompt ends with the generation
+prompt ``<|assistant|>\\n`` and a completion is ``{content}\\n`` (SFT trains on the last message only).
 
-Truncation: the prompt keeps its *last* ``max_prompt_length`` tokens (and at most ``max_length - 1``), then the
-completion keeps its first ``max_length - len(prompt)`` tokens; each truncated row is counted. Batches are right
-padded (pad id 0) with an ``attention_mask``; under causal attention no real token attends to a pad, so the GPT
-needs no key mask, and ``loss_mask`` is 1 only on completion tokens.
+String prompts and completions (and crosstrain's format) are used verbatim, tokenised as one text with the
+tokenizer's special tokens (BOS as its ``tokenizer.json`` post-processor adds it) and the tokenizer's EOS appended to
+each completion that does not end with it, as TRL does, so the model learns to stop (the byte tokenizer has
+neither).
+
+Truncation: the prompt (the tokens before the first trained one) keeps its *last* ``max_prompt_length`` tokens (and
+at most ``max_length - 1``), then the rest keeps its first ``max_length - len(prompt)`` tokens; each truncated row
+is counted. Batches are right padded (pad id 0) with an ``attention_mask``; under causal attention no real token
+attends to a pad, so the GPT needs no key mask, and ``loss_mask`` is 1 only on trained tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from crosstrain.data.chat_template import ChatTemplate
 from crosstrain.errors import ConfigError, CrosstrainWarning
 
 ROLES = ("system", "user", "assistant")
@@ -37,6 +48,43 @@ GENERATION_PROMPT = "<|assistant|>\n"
 
 class RowError(ValueError):
     """A malformed row (the message names what is wrong; the reader adds file and line)."""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A row as one text and the character ``spans`` the loss trains on. ``templated``: a chat template wrote it,
+    special tokens included, so the tokenizer adds none (as ``apply_chat_template`` tokenises)."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...] = ()
+    templated: bool = False
+
+
+def conversation(messages: Any) -> list[dict[str, Any]]:
+    """``messages`` checked for a chat template: any role (tool turns too), a string content or tool calls."""
+    if not isinstance(messages, list) or not messages:
+        raise RowError("messages must be a non-empty list of {\"role\", \"content\"} objects")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not (isinstance(m.get("content"), str) or "tool_calls" in m):
+            raise RowError(f"each message needs a string role and a string content (or tool_calls), got {m!r:.80}")
+    return messages
+
+
+def row_tools(row: dict[str, Any]) -> list[Any] | None:
+    """A row's ``tools`` (function schemas the template renders), checked; None when absent."""
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RowError("'tools' must be a list of JSON-schema function objects")
+    return tools
+
+
+def templated(render: Callable[..., Any], *args: Any) -> Any:
+    """``render(*args)`` with a template's error as a RowError (named on the row's file and line)."""
+    try:
+        return render(*args)
+    except ValueError as exc:  # the template's own error, named on the row
+        raise RowError(str(exc)) from None
 
 
 def render_messages(messages: Any) -> str:
@@ -66,10 +114,17 @@ def _prompt(value: Any) -> str:
     return render_messages(value) + GENERATION_PROMPT
 
 
-def parse_sft_row(row: Any) -> tuple[str, str]:
-    """``(prompt, completion)`` text of an SFT row."""
+def parse_sft_row(row: Any, chat: ChatTemplate | None = None) -> tuple[str, str] | Rendered:
+    """``(prompt, completion)`` text of an SFT row; a ``messages`` row rendered by ``chat`` (a tokenizer's template)
+    is one text with the span of every assistant message."""
     if not isinstance(row, dict):
         raise RowError("a row must be a JSON object")
+    if "messages" in row and chat is not None:
+        msgs = conversation(row["messages"])
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise RowError("no assistant message: there is nothing to train on")
+        text, spans = templated(chat.assistant_spans, msgs, row_tools(row))
+        return Rendered(text, spans, templated=True)
     if "messages" in row:
         msgs = row["messages"]
         render_messages(msgs)
@@ -85,8 +140,18 @@ def parse_sft_row(row: Any) -> tuple[str, str]:
     return row["prompt"], row["completion"]
 
 
-def parse_preference_row(row: Any) -> tuple[str, str, str]:
-    """``(prompt, chosen, rejected)`` text of a preference row."""
+def _assistant(value: Any, key: str) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise RowError(f"{key!r} must be a string or a list of messages")
+    return conversation(value)
+
+
+def parse_preference_row(row: Any, chat: ChatTemplate | None = None) -> tuple[str, str, str] | tuple[Rendered,
+                                                                                                       Rendered]:
+    """``(prompt, chosen, rejected)`` text of a preference row; a conversational row rendered by ``chat`` (a
+    tokenizer's template) is ``(chosen, rejected)``, each the whole conversation with the completion's span."""
     if not isinstance(row, dict):
         raise RowError("a row must be a JSON object")
     missing = [k for k in ("chosen", "rejected") if k not in row]
@@ -101,6 +166,15 @@ def parse_preference_row(row: Any) -> tuple[str, str, str]:
         chosen, rejected = chosen[-1:], rejected[-1:]
     else:
         prompt = row["prompt"]
+    if chat is not None and isinstance(prompt, list):
+        msgs, tools = conversation(prompt), row_tools(row)
+        pair = []
+        for key, value in (("chosen", chosen), ("rejected", rejected)):
+            text, span = templated(chat.completion_span, msgs, _assistant(value, key), tools)
+            if span[0] == span[1]:
+                raise RowError(f"{key!r} must not be empty")
+            pair.append(Rendered(text, (span,), templated=True))
+        return pair[0], pair[1]
     out = (_prompt(prompt), _completion(chosen, "chosen"), _completion(rejected, "rejected"))
     if not out[1] or not out[2]:
         raise RowError("'chosen' and 'rejected' must not be empty")
@@ -148,23 +222,72 @@ def read_jsonl(path: str, parse: Any, *, skip_bad_rows: bool) -> tuple[list[Any]
 
 @dataclass
 class Encoded:
-    """One tokenised prompt + completion: ``ids`` and the number of prompt tokens among them."""
+    """One tokenised row: ``ids``, the number of prompt tokens (before the first trained one) and the trained
+    tokens' ``mask`` (all tokens after the prompt unless a chat template left gaps between assistant turns)."""
 
     ids: np.ndarray
     prompt_len: int
     truncated: bool
+    mask: np.ndarray | None = None
+
+    def loss_mask(self) -> np.ndarray:
+        if self.mask is not None:
+            return self.mask
+        return np.arange(len(self.ids)) >= self.prompt_len
+
+
+def plain(tokenizer: Any, prompt: str, completion: str) -> Rendered:
+    """A string prompt and completion as one text, the tokenizer's EOS closing the completion (module docstring)."""
+    eos = getattr(tokenizer, "eos_token", None)
+    if eos and not completion.endswith(eos):
+        completion += eos
+    return Rendered(prompt + completion, ((len(prompt), len(prompt) + len(completion)),))
+
+
+def tokenize(tokenizer: Any, row: Rendered) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, trained-token mask)`` of a rendered row: a token is trained when its characters overlap a span
+    (tokens the tokenizer adds have no characters and are never trained)."""
+    ids, offsets = tokenizer.encode_offsets(row.text, add_special_tokens=not row.templated)
+    mask = np.zeros(len(ids), dtype=bool)
+    for a, b in row.spans:
+        mask |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
+    return np.asarray(ids, dtype=np.int64), mask
+
+
+def encode_rendered(tokenizer: Any, row: Rendered, max_length: int, max_prompt_length: int) -> Encoded:
+    """Tokenise and truncate a rendered row (rules in the module docstring)."""
+    ids, mask = tokenize(tokenizer, row)
+    first = int(mask.argmax()) if mask.any() else len(ids)
+    keep_prompt = min(first, max_prompt_length, max_length - 1)
+    keep_rest = min(len(ids) - first, max_length - keep_prompt)
+    start, stop = first - keep_prompt, first + keep_rest
+    return Encoded(ids[start:stop], keep_prompt, start > 0 or stop < len(ids), mask[start:stop])
 
 
 def encode(tokenizer: Any, prompt: str, completion: str, max_length: int, max_prompt_length: int) -> Encoded:
-    """Tokenise and truncate (rules in the module docstring)."""
-    p = np.asarray(tokenizer.encode(prompt), dtype=np.int64)
-    c = np.asarray(tokenizer.encode(completion), dtype=np.int64)
-    keep_prompt = min(len(p), max_prompt_length, max_length - 1)
-    truncated = keep_prompt < len(p)
-    p = p[len(p) - keep_prompt:]
-    keep_completion = min(len(c), max_length - len(p))
-    truncated = truncated or keep_completion < len(c)
-    return Encoded(np.concatenate([p, c[:keep_completion]]), len(p), truncated)
+    """Tokenise and truncate a string prompt and completion (rules in the module docstring)."""
+    return encode_rendered(tokenizer, plain(tokenizer, prompt, completion), max_length, max_prompt_length)
+
+
+def encode_row(tokenizer: Any, row: tuple[str, str] | Rendered, max_length: int, max_prompt_length: int) -> Encoded:
+    if isinstance(row, Rendered):
+        return encode_rendered(tokenizer, row, max_length, max_prompt_length)
+    return encode(tokenizer, row[0], row[1], max_length, max_prompt_length)
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Rendered) -> np.ndarray:
+    """Ids of a generation prompt: a template-rendered one as written, a string one with the tokenizer's special
+    tokens (BOS as its post-processor adds it)."""
+    row = prompt if isinstance(prompt, Rendered) else Rendered(prompt)
+    return tokenize(tokenizer, row)[0]
+
+
+def show(tokenizer: Any, row: Encoded) -> dict[str, Any]:
+    """A row as training sees it: its decoded text, ids, loss mask and the decoded trained tokens."""
+    mask = row.loss_mask()
+    return {"text": tokenizer.decode(row.ids), "input_ids": [int(i) for i in row.ids],
+            "loss_mask": [int(m) for m in mask], "trained_text": tokenizer.decode(row.ids[mask]),
+            "truncated": bool(row.truncated)}
 
 
 def pad(seqs: list[Encoded]) -> dict[str, torch.Tensor]:
@@ -176,7 +299,7 @@ def pad(seqs: list[Encoded]) -> dict[str, torch.Tensor]:
     for i, s in enumerate(seqs):
         ids[i, : len(s.ids)] = s.ids
         attn[i, : len(s.ids)] = True
-        loss[i, s.prompt_len : len(s.ids)] = True
+        loss[i, : len(s.ids)] = s.loss_mask()
     return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(attn),
             "loss_mask": torch.from_numpy(loss)}
 
@@ -241,8 +364,9 @@ class PreferenceDataset:
         return out
 
 
-def encode_sft(tokenizer: Any, rows: list[tuple[str, str]], max_length: int, max_prompt_length: int) -> SFTDataset:
-    return SFTDataset([encode(tokenizer, p, c, max_length, max_prompt_length) for p, c in rows])
+def encode_sft(tokenizer: Any, rows: list[tuple[str, str] | Rendered], max_length: int,
+               max_prompt_length: int) -> SFTDataset:
+    return SFTDataset([encode_row(tokenizer, row, max_length, max_prompt_length) for row in rows])
 
 
 def check_ties(dataset: PreferenceDataset, source: str) -> None:
@@ -257,9 +381,16 @@ def check_ties(dataset: PreferenceDataset, source: str) -> None:
                       "truncation) and teach nothing", CrosstrainWarning, stacklevel=2)
 
 
-def encode_preferences(tokenizer: Any, rows: list[tuple[str, str, str]], max_length: int,
+def encode_preferences(tokenizer: Any, rows: list[tuple[str, str, str] | tuple[Rendered, Rendered]], max_length: int,
                        max_prompt_length: int) -> PreferenceDataset:
-    pairs = [(encode(tokenizer, p, c, max_length, max_prompt_length),
-              encode(tokenizer, p, r, max_length, max_prompt_length)) for p, c, r in rows]
+    def pair(row: Any) -> tuple[Encoded, Encoded]:
+        if len(row) == 2:  # (chosen, rejected) rendered by a chat template
+            return (encode_rendered(tokenizer, row[0], max_length, max_prompt_length),
+                    encode_rendered(tokenizer, row[1], max_length, max_prompt_length))
+        p, c, r = row
+        return encode(tokenizer, p, c, max_length, max_prompt_length), encode(tokenizer, p, r, max_length,
+                                                                              max_prompt_length)
+
+    pairs = [pair(row) for row in rows]
     prompts = [pair[0].ids[: pair[0].prompt_len] for pair in pairs]
     return PreferenceDataset(pairs, prompts)

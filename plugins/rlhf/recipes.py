@@ -9,6 +9,7 @@ All three evaluate once before training as well (``eval_before`` / ``eval_after`
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from crosstrain.config import Config, gpt_config
+from crosstrain.data import chat_template
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
 from crosstrain.errors import ConfigError
 from crosstrain.generation import GenerationConfig, generate
@@ -73,7 +75,9 @@ class RLHFRecipe(Recipe):
                               "rlhf.max_length (or train.seq_len) or raise model.max_seq_len")
         max_prompt = sec.max_prompt_length or max_length // 2
         self.tokenizer = load_tokenizer(config.data.tokenizer)
-        parse = rdata.parse_sft_row if self.kind == "sft" else rdata.parse_preference_row
+        self.chat = chat_template.resolve(config.data.chat_template, config.data.tokenizer)
+        parse = functools.partial(rdata.parse_sft_row if self.kind == "sft" else rdata.parse_preference_row,
+                                  chat=self.chat)
         skipped = 0
         if config.data.path:
             rows, skipped = rdata.read_jsonl(config.data.path, parse, skip_bad_rows=config.data.skip_bad_rows)
@@ -105,7 +109,17 @@ class RLHFRecipe(Recipe):
 
         self.stats = {"source": source, "train_rows": len(self.dataset), "eval_rows": len(self.eval_dataset),
                       "skipped_rows": skipped, "truncated_rows": truncated(self.dataset) + truncated(self.eval_dataset),
-                      "max_length": max_length, "max_prompt_length": max_prompt}
+                      "max_length": max_length, "max_prompt_length": max_prompt,
+                      "chat_template": chat_template.describe(self.chat)}
+
+    def show_data(self, n: int) -> dict[str, Any]:
+        """The first ``n`` training rows as the loss sees them (``crosstrain data show``)."""
+        if self.kind == "sft":
+            rows = [rdata.show(self.tokenizer, row) for row in self.dataset.rows[:n]]
+        else:
+            rows = [{"chosen": rdata.show(self.tokenizer, c), "rejected": rdata.show(self.tokenizer, r)}
+                    for c, r in self.dataset.pairs[:n]]
+        return {"source": self.stats["source"], "chat_template": self.stats["chat_template"], "rows": rows}
 
     def build_dataset(self, context: Any) -> Any:
         if self.dataset is None:

@@ -1,4 +1,5 @@
-"""``crosstrain data prepare [FILES...] --out data.bin`` and ``crosstrain data info data.bin``."""
+"""``crosstrain data prepare [FILES...] --out data.bin``, ``crosstrain data info data.bin`` and
+``crosstrain data show --recipe R [--set k=v ...] [--rows N] [--json]``."""
 
 from __future__ import annotations
 
@@ -48,6 +49,42 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+def show(args: argparse.Namespace) -> int:
+    """The first rows of a JSONL recipe's training data as its loss sees them: the recipe's own ``validate`` reads,
+    renders, tokenises and truncates them (no second code path), ``show_data`` hands them back."""
+    import json
+
+    from crosstrain.config import load_config
+    from crosstrain.engine.recipe import resolve_recipe
+    from crosstrain.errors import ConfigError
+
+    if args.rows < 1:
+        raise ConfigError(f"--rows must be >= 1, got {args.rows}")
+    overrides = [*(args.set or []), *([f"train.recipe={args.recipe}"] if args.recipe else [])]
+    config = load_config(args.config, overrides)
+    recipe = resolve_recipe(config.train.recipe)
+    recipe.validate(config)
+    shown = recipe.show_data(args.rows)
+    doc = {"recipe": config.train.recipe, "tokenizer": config.data.tokenizer or "byte", **shown}
+    rows = doc["rows"]
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    print(f"recipe {doc['recipe']}, tokenizer {doc['tokenizer']}, chat template {doc.get('chat_template')}, "
+          f"data {doc.get('source')}")
+    for i, row in enumerate(rows):
+        for part, r in ([("", row)] if "text" in row else list(row.items())):
+            trained = sum(r["loss_mask"])
+            print(f"--- row {i}{' ' + part if part else ''}: {len(r['input_ids'])} tokens, {trained} in the loss"
+                  f"{' (truncated)' if r.get('truncated') else ''}")
+            print(r["text"])
+            if "trained_text" in r:
+                print(f"--- in the loss: {r['trained_text']!r}")
+            print(f"--- input_ids: {r['input_ids']}")
+            print(f"--- loss_mask: {''.join(str(m) for m in r['loss_mask'])}")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="prepare token files for training")
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
@@ -63,3 +100,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     inf = dsub.add_parser("info", help="describe a token file")
     inf.add_argument("file")
     inf.set_defaults(func=info)
+    sh = dsub.add_parser("show", help="a recipe's first training rows: rendered text, input ids and loss mask",
+                         description="Reads, renders (data.chat_template), tokenises and truncates the rows with the "
+                                     "recipe's own code, so what it prints is what training sees.")
+    sh.add_argument("config", nargs="?", default=None, help="TOML config file (optional)")
+    sh.add_argument("--recipe", default=None, metavar="NAME", help="sft, rm, dpo, grpo or ppo (train.recipe)")
+    sh.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, as in crosstrain train")
+    sh.add_argument("--rows", type=int, default=3, help="how many rows (default 3)")
+    sh.add_argument("--json", action="store_true", help="one JSON object: recipe, tokenizer, chat_template, rows")
+    sh.set_defaults(func=show)

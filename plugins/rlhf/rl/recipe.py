@@ -25,10 +25,12 @@ import torch
 from torch import nn
 
 from crosstrain.config import Config, gpt_config
+from crosstrain.data import chat_template
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
 from crosstrain.errors import ConfigError
 from crosstrain.generation import GenerationConfig, generate
 from crosstrain.models.family import swap_scalar_head
+from crosstrain.plugins.rlhf.data import Rendered, encode_prompt
 from crosstrain.plugins.rlhf.rl import tasks
 from crosstrain.plugins.rlhf.rl.aggregate import aggregate, global_sums
 from crosstrain.plugins.rlhf.rl.kl import AdaptiveKLController, kl_estimate
@@ -104,10 +106,13 @@ class RLRecipe(Recipe):
             raise ConfigError(f"rl.max_new_tokens={sec.max_new_tokens} leaves no room for a prompt in "
                               f"model.max_seq_len={gpt_config(config).max_seq_len}; lower it or raise max_seq_len")
         skipped = 0
+        self.chat = chat_template.resolve(config.data.chat_template, config.data.tokenizer)
+        train: list[str | Rendered]
+        val: list[str | Rendered]
         if config.data.path:
-            train, skipped = tasks.read_prompts(config.data.path, config.data.skip_bad_rows)
+            train, skipped = tasks.read_prompts(config.data.path, config.data.skip_bad_rows, self.chat)
             if config.data.val_path:
-                val, s = tasks.read_prompts(config.data.val_path, config.data.skip_bad_rows)
+                val, s = tasks.read_prompts(config.data.val_path, config.data.skip_bad_rows, self.chat)
                 skipped += s
             else:
                 n_val = max(1, math.ceil(config.data.val_fraction * len(train)))
@@ -117,13 +122,14 @@ class RLRecipe(Recipe):
                 train, val = train[:-n_val], train[-n_val:]
             source = config.data.path
         else:
-            train, val = tasks.embedded_prompts(config.data.val_fraction or 0.05)
+            train, val = tasks.embedded_prompts(config.data.val_fraction or 0.05)  # type: ignore[assignment]
             source = "embedded vowel task (crosstrain.plugins.rlhf.rl.tasks)"
-        self.prompt_text = {"train": train, "eval": val}
+        self.prompt_text = {split: [p.text if isinstance(p, Rendered) else p for p in rows]
+                            for split, rows in (("train", train), ("eval", val))}
         truncated = 0
         self.prompts: dict[str, list[np.ndarray]] = {}
-        for split, texts in self.prompt_text.items():
-            enc = [self.tokenizer.encode(t).astype(np.int64) for t in texts]
+        for split, rows in (("train", train), ("eval", val)):
+            enc = [encode_prompt(self.tokenizer, p) for p in rows]
             truncated += sum(len(e) > max_prompt for e in enc)
             self.prompts[split] = [e[-max_prompt:] for e in enc]
         if any(len(p) == 0 for ps in self.prompts.values() for p in ps):
@@ -133,7 +139,8 @@ class RLRecipe(Recipe):
                               f"model.vocab_size={gpt_config(config).vocab_size}; raise model.vocab_size")
         self.reward_fn = tasks.load_reward_fn(rew.fn) if rew.fn else None
         self.stats = {"source": source, "train_prompts": len(train), "eval_prompts": len(val),
-                      "skipped_rows": skipped, "truncated_prompts": int(truncated)}
+                      "skipped_rows": skipped, "truncated_prompts": int(truncated),
+                      "chat_template": chat_template.describe(self.chat)}
         self.validate_loss(config)
 
     def validate_loss(self, config: Config) -> None:
@@ -195,6 +202,13 @@ class RLRecipe(Recipe):
     def data_split(self) -> dict[str, Any]:
         return {"prompts": {"train": self.stats["train_prompts"], "eval": self.stats["eval_prompts"]},
                 "source": self.stats["source"]}
+
+    def show_data(self, n: int) -> dict[str, Any]:
+        """The first ``n`` training prompts as generation sees them (``crosstrain data show``); the loss trains on
+        the sampled completions, so no prompt token is in it."""
+        rows = [{"text": self.tokenizer.decode(p), "input_ids": [int(i) for i in p], "loss_mask": [0] * len(p)}
+                for p in self.prompts["train"][:n]]
+        return {"source": self.stats["source"], "chat_template": self.stats["chat_template"], "rows": rows}
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rl_data": self.stats, "rl": {"beta_final": self.kl_ctl.beta}}

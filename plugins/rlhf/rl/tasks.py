@@ -8,13 +8,24 @@ byte-level GPT starts near 5/256 (uniform bytes) and learns it within minutes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from crosstrain.data.chat_template import ChatTemplate
 from crosstrain.errors import ConfigError
 from crosstrain.plugins.rlhf import synthetic
-from crosstrain.plugins.rlhf.data import GENERATION_PROMPT, RowError, read_jsonl, render_messages
+from crosstrain.plugins.rlhf.data import (
+    GENERATION_PROMPT,
+    Rendered,
+    RowError,
+    conversation,
+    read_jsonl,
+    render_messages,
+    row_tools,
+    templated,
+)
 
 VOWELS = frozenset("aeiouAEIOU")
 TASK_MAX = 1.0
@@ -33,20 +44,24 @@ def embedded_prompts(val_fraction: float) -> tuple[list[str], list[str]]:
     return [synthetic.chat_prompt(p) for p, _ in train], [synthetic.chat_prompt(p) for p, _ in val]
 
 
-def parse_prompt_row(row: Any) -> str:
-    """A JSONL prompt row: ``{"prompt": "..."}`` or ``{"messages": [...]}`` (rendered, generation prompt added);
-    other keys (a reference answer for ``reward.fn``, say) are ignored."""
+def parse_prompt_row(row: Any, chat: ChatTemplate | None = None) -> str | Rendered:
+    """A JSONL prompt row: ``{"prompt": "..."}`` or ``{"messages": [...], "tools": [...]}`` (rendered by ``chat``,
+    the tokenizer's template, or crosstrain's format; generation prompt added); other keys (a reference answer for
+    ``reward.fn``, say) are ignored."""
     if not isinstance(row, dict):
         raise RowError("a row must be a JSON object")
     if isinstance(row.get("prompt"), str) and row["prompt"]:
         return row["prompt"]
+    if "messages" in row and chat is not None:
+        text = templated(chat.render, conversation(row["messages"]), row_tools(row), True)
+        return Rendered(text, templated=True)
     if "messages" in row:
         return render_messages(row["messages"]) + GENERATION_PROMPT
     raise RowError('needs a non-empty string "prompt" (or a "messages" list)')
 
 
-def read_prompts(path: str, skip_bad_rows: bool) -> tuple[list[str], int]:
-    return read_jsonl(path, parse_prompt_row, skip_bad_rows=skip_bad_rows)
+def read_prompts(path: str, skip_bad_rows: bool, chat: ChatTemplate | None = None) -> tuple[list[str | Rendered], int]:
+    return read_jsonl(path, functools.partial(parse_prompt_row, chat=chat), skip_bad_rows=skip_bad_rows)
 
 
 def load_reward_fn(spec: str) -> RewardFn:
