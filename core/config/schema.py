@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -144,13 +144,29 @@ class CheckpointConfig(Section):
 
 class EvalConfig(Section):
     every: int = Field(default=100, ge=0, description="evaluate every N steps and after the last (0 = off)")
-    steps: int = Field(default=0, ge=0, description="batches per evaluation (0 = the whole validation split)")
+    max_batches: int = Field(default=20, ge=0, description='batches per evaluation, taken in order from the start '
+                             'of the validation split (0 or "all" = the whole split; "eval.steps" is its old name)')
     batch_size: int = Field(default=0, ge=0, description="sequences per eval batch (0 = train.batch_size)")
     tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks scored at each "
                              "evaluation (registered names or local task YAML paths; needs crosstrain[eval]), "
                              "reported as eval/<task>/<metric>")
     tasks_limit: int | None = Field(default=None, ge=1, description="score only the first N items of each of "
                                     "eval.tasks (None = all)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "steps" in data:  # eval.steps was this key's name; configs keep working
+            if "max_batches" in data:
+                raise ValueError("eval.steps is the old name of eval.max_batches; set only eval.max_batches")
+            data = {**data, "max_batches": data["steps"]}
+            del data["steps"]
+        return data
+
+    @field_validator("max_batches", mode="before")
+    @classmethod
+    def _all_batches(cls, value: Any) -> Any:
+        return 0 if value == "all" else value
 
     @field_validator("tasks")
     @classmethod
