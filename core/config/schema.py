@@ -62,8 +62,8 @@ class ModelConfig(Section):
 class DataConfig(Section):
     path: str = Field(default="", description='token file from "crosstrain data prepare" ("" = the embedded corpus)')
     shuffle: bool = Field(default=True, description="shuffle the training sequences (seeded by train.seed)")
-    val_fraction: float = Field(default=0.05, ge=0, lt=1, description="share of documents held out for evaluation "
-                                "(whole documents from the end of the data)")
+    val_fraction: float = Field(default=0.05, ge=0, lt=1, description="share of the tokens held out for evaluation "
+                                "(from the end of the data; cut inside a document only where no boundary is near)")
     val_path: str = Field(default="", description="a separate validation token file (replaces the held-out split)")
     tokenizer: str = Field(default="", description='"" (bytes) or a folder with a tokenizer.json; data.path must '
                            "have been prepared with it, and export and generation use it")
@@ -194,8 +194,9 @@ class LoggingConfig(Section):
     every: int = Field(default=10, ge=1, description="print a line every N steps (no TTY)")
     progress: Literal["auto", "rich", "plain", "none"] = Field(
         default="auto", description='progress display: "auto" = rich on a TTY, else plain lines')
-    tensorboard: bool = Field(default=True, description="write TensorBoard event files into the run dir (when "
-                                                        "TensorBoard is installed)")
+    tensorboard: bool = Field(default=True, description="write TensorBoard event files into the run dir's "
+                              'tensorboard/ where TensorBoard is installed (pip install "crosstrain[tensorboard]"); '
+                              "without it, nothing and no warning")
 
 
 class KernelsConfig(Section):
