@@ -85,8 +85,13 @@ def build_datasets(data_cfg: Any, seq_len: int) -> tuple[TokenDataset, TokenData
 def _val_dataset(tokens: np.ndarray, seq_len: int, vocab: int, what: str, total: int = 0) -> TokenDataset:
     """``total``: the tokens the split was taken from (0: a separate file), to name the fraction that fits."""
     if (len(tokens) - 1) // seq_len < 1:
-        fix = f"raise data.val_fraction to {math.ceil(1000 * (seq_len + 1) / total) / 1000:g}" if total else \
-            "give data.val_path a longer file"
+        need = (seq_len + 1) / total if total else 1.0
+        if not total:
+            fix = "give data.val_path a longer file"
+        elif need > 0.5:  # holding out one sample would take most of the data
+            fix = f"the data ({total} tokens) is too small to hold one out: set data.val_fraction=0 or data.val_path"
+        else:
+            fix = f"raise data.val_fraction to {math.ceil(1000 * need) / 1000:g}"
         raise ConfigError(f"{what} has {len(tokens)} tokens, too few for one sample of train.seq_len={seq_len}; "
-                          f"{fix}, lower train.seq_len or set data.val_fraction=0")
+                          f"{fix}, or lower train.seq_len")
     return TokenDataset(tokens, seq_len, vocab)
