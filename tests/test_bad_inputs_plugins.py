@@ -193,7 +193,11 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ("lr-1e9-before-first-checkpoint", _tr("lm", "optim.lr=1e9", "checkpoint.every=5", "train.steps=8",
                                            "fault.max_consecutive_nonfinite=1"),
      "lower optim.lr (now 1e+09); it diverged before the first checkpoint (checkpoint.every=5)", RUNS),
-    ("data-too-small", _tr("lm", "data.path={w}/tokens.bin"), "fewer than train.batch_size=4", ""),
+    ("data-too-small", _tr("lm", "data.path={w}/tokens.bin", "data.val_fraction=0"), "fewer than train.batch_size=4",
+     ""),
+    ("data-too-small-to-hold-out", _tr("lm", "data.path={w}/tokens.bin"), "too small to hold one out: set "
+     "data.val_fraction=0", ""),
+    ("val-split-too-short", _tr("lm", "data.path={w}/tokens.bin", "train.seq_len=4"), "raise data.val_fraction to", ""),
     ("data-vocab-mismatch", _tr("lm", "data.path={w}/big_vocab.bin", "data.val_fraction=0"), "vocab", ""),
     # -- data prepare
     ("prepare-not-parquet", ["data", "prepare", "{w}/text.parquet", "--out", "{w}/p.bin"], "is not a Parquet file", ""),
@@ -280,6 +284,8 @@ def _bad_files(w: Path, run: Path) -> None:
                                           + "\n" for i in range(40)))
     (w / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "chosen": "YES", "rejected": "no"})
                                            + "\n" for i in range(40)))
+    (w / "one_tie.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "chosen": "YES" if i else "same",
+                                                         "rejected": "no" if i else "same"}) + "\n" for i in range(40)))
     (w / "text.txt").write_text("hello world\n")
     (w / "text.parquet").write_text("hello, not parquet\n")
     import pyarrow as pa
@@ -360,14 +366,15 @@ def test_real_processes_print_warnings_as_one_line(world) -> None:
     """In a real process (pytest captures warnings in this one) a warning before an error is one line too."""
     w, _, _ = world
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cases = [[*_tr("lm", f"data.path={w}/tokens.bin"), "--set", f"train.output_dir={w}/runs"],
-             [*_tr("lm", f"data.path={w}/big_vocab.bin"), "--set", f"train.output_dir={w}/runs"]]
+    # 1 of 40 pairs tied (a warning), then an eval batch the held-out rows cannot fill (the error)
+    cases = [[*_tr("dpo", f"data.path={w}/one_tie.jsonl", "eval.every=1", "eval.batch_size=4000"), "--set",
+              f"train.output_dir={w}/runs"]]
     procs = [subprocess.Popen([sys.executable, "-m", "crosstrain", *argv], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for argv in cases]
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, err
-        assert one_line_error(out, err, lines=2)[0].startswith("crosstrain: warning: data.path "), err
+        assert one_line_error(out, err, lines=2)[0].startswith("crosstrain: warning: 1 of "), err
     assert not (w / "runs").exists()
 
 

@@ -17,36 +17,34 @@ import torch
 from crosstrain import hookimpl
 from crosstrain.config import load_config
 from crosstrain.data.corpus import corpus_bytes
-from crosstrain.data.split import corpus_document_starts, separator_document_starts, split_documents
+from crosstrain.data.split import corpus_document_starts, separator_document_starts, split_tokens
 from crosstrain.engine import Trainer
 from crosstrain.errors import ConfigError
 
 SMALL = ["train.steps=6", "train.batch_size=4", "train.seq_len=32", "logging.progress=none", "backend=cpu",
          "schedule.warmup_steps=0", "model.n_layers=2", "model.dim=32", "model.n_heads=2",
-         "data.val_fraction=0.05", "eval.steps=4"]
+         "data.val_fraction=0.05", "eval.max_batches=4"]
 
 
 def _config(tmp_path, *extra: str):
     return load_config(None, [*SMALL, f"train.output_dir={tmp_path / 'runs'}", *extra])
 
 
-def test_split_keeps_whole_documents_from_the_end() -> None:
+def test_split_holds_the_fraction_of_tokens_at_a_chapter_boundary() -> None:
     text = corpus_bytes()
     starts = corpus_document_starts(text)
     assert len(starts) == 80 and starts[0] == 0
     tokens = np.frombuffer(text, dtype=np.uint8)
-    split = split_documents(tokens, starts, 0.05)
-    assert split.info["val_documents"] == math.ceil(0.05 * 80) == 4
+    split = split_tokens(tokens, starts, 0.05)
     assert split.val is not None and len(split.train) + len(split.val) == len(tokens)
+    # a chapter boundary lies within 10% of the 5% asked, so the cut moves to it and no chapter is split
+    assert abs(len(split.val) - 0.05 * len(tokens)) <= 0.1 * 0.05 * len(tokens) + 1
     assert bytes(split.val[:8]) == b"Chapter " and int(split.info["split_at_token"]) in set(starts.tolist())
-    assert split_documents(tokens, starts, 0.05).info == split.info  # deterministic
-    # at least one document each side, whatever the fraction
-    assert split_documents(tokens, starts, 0.999).info["val_documents"] == 79
+    assert not split.info["document_split"] and split.info["val_documents"] == 3
+    assert split_tokens(tokens, starts, 0.05).info == split.info  # deterministic
     stream = np.array([5, 6, 0, 7, 0, 8, 9, 9], dtype=np.int64)  # EOS = 0 closes documents
     assert separator_document_starts(stream, 0).tolist() == [0, 3, 5]
-    assert split_documents(stream, separator_document_starts(stream, 0), 0.3).val.tolist() == [8, 9, 9]
-    with pytest.raises(ConfigError, match="needs at least 2 documents"):
-        split_documents(stream, np.array([0]), 0.1)
+    assert split_tokens(stream, separator_document_starts(stream, 0), 0.3).val.tolist() == [8, 9, 9]
 
 
 def test_eval_on_or_off_trains_the_same_weights(tmp_path) -> None:
@@ -61,7 +59,7 @@ def test_eval_on_or_off_trains_the_same_weights(tmp_path) -> None:
     assert math.isfinite(on["eval_loss"]) and on["best_eval_loss"] <= on["eval_loss"]
     assert off["eval_loss"] is None or not math.isfinite(off["eval_loss"])
     split = json.loads((tmp_path / "on" / "data_split.json").read_text())
-    assert split["val_documents"] == 4 and split["source"] == "embedded corpus"
+    assert split["val_documents"] == 3 and split["source"] == "embedded corpus"
     from crosstrain.engine.evaluate import check_eval
 
     with pytest.raises(ConfigError, match=r"eval.batch_size=3 must be divisible by the data-parallel degree \(2\)"):

@@ -77,7 +77,7 @@ def test_training_with_packing_runs_and_needs_boundaries(tmp_path) -> None:  # t
     bare = tmp_path / "bare.bin"  # a token file without a manifest: no document boundaries
     write_token_file(bare, [np.arange(2000) % 256], 256)
     with pytest.raises(ConfigError, match="needs document boundaries"):
-        LMRecipe().validate(load_config(None, ["data.packing=documents", f"data.path={bare}"]))
+        LMRecipe().validate(load_config(None, ["data.packing=documents", f"data.path={bare}", "data.val_fraction=0"]))
 
 
 def test_token_batch_cannot_lose_a_field_and_reaches_the_model_whole() -> None:

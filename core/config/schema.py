@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -62,8 +62,8 @@ class ModelConfig(Section):
 class DataConfig(Section):
     path: str = Field(default="", description='token file from "crosstrain data prepare" ("" = the embedded corpus)')
     shuffle: bool = Field(default=True, description="shuffle the training sequences (seeded by train.seed)")
-    val_fraction: float = Field(default=0.05, ge=0, lt=1, description="share of documents held out for evaluation "
-                                "(whole documents from the end of the data)")
+    val_fraction: float = Field(default=0.05, ge=0, lt=1, description="share of the tokens held out for evaluation "
+                                "(from the end of the data; cut inside a document only where no boundary is near)")
     val_path: str = Field(default="", description="a separate validation token file (replaces the held-out split)")
     tokenizer: str = Field(default="", description='"" (bytes) or a folder with a tokenizer.json; data.path must '
                            "have been prepared with it, and export and generation use it")
@@ -148,13 +148,29 @@ class CheckpointConfig(Section):
 
 class EvalConfig(Section):
     every: int = Field(default=100, ge=0, description="evaluate every N steps and after the last (0 = off)")
-    steps: int = Field(default=0, ge=0, description="batches per evaluation (0 = the whole validation split)")
+    max_batches: int = Field(default=20, ge=0, description='batches per evaluation, taken in order from the start '
+                             'of the validation split (0 or "all" = the whole split; "eval.steps" is its old name)')
     batch_size: int = Field(default=0, ge=0, description="sequences per eval batch (0 = train.batch_size)")
     tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks scored at each "
                              "evaluation (registered names or local task YAML paths; needs crosstrain[eval]), "
                              "reported as eval/<task>/<metric>")
     tasks_limit: int | None = Field(default=None, ge=1, description="score only the first N items of each of "
                                     "eval.tasks (None = all)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "steps" in data:  # eval.steps was this key's name; configs keep working
+            if "max_batches" in data:
+                raise ValueError("eval.steps is the old name of eval.max_batches; set only eval.max_batches")
+            data = {**data, "max_batches": data["steps"]}
+            del data["steps"]
+        return data
+
+    @field_validator("max_batches", mode="before")
+    @classmethod
+    def _all_batches(cls, value: Any) -> Any:
+        return 0 if value == "all" else value
 
     @field_validator("tasks")
     @classmethod
@@ -182,8 +198,9 @@ class LoggingConfig(Section):
     every: int = Field(default=10, ge=1, description="print a line every N steps (no TTY)")
     progress: Literal["auto", "rich", "plain", "none"] = Field(
         default="auto", description='progress display: "auto" = rich on a TTY, else plain lines')
-    tensorboard: bool = Field(default=True, description="write TensorBoard event files into the run dir (when "
-                                                        "TensorBoard is installed)")
+    tensorboard: bool = Field(default=True, description="write TensorBoard event files into the run dir's "
+                              'tensorboard/ where TensorBoard is installed (pip install "crosstrain[tensorboard]"); '
+                              "without it, nothing and no warning")
 
 
 class KernelsConfig(Section):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
+import math
 from typing import Any
 
 import numpy as np
@@ -48,10 +48,10 @@ def build_dataset(path: str, seq_len: int) -> TokenDataset:
 def build_datasets(data_cfg: Any, seq_len: int) -> tuple[TokenDataset, TokenDataset | None, dict[str, Any]]:
     """Training and validation datasets from a ``[data]`` section, and the split record for the run dir.
 
-    The validation part is ``data.val_path`` when set, else the last documents of the data
-    (``data.val_fraction``, see :mod:`crosstrain.data.split`); ``None`` when there is none.
+    The validation part is ``data.val_path`` when set, else the last ``data.val_fraction`` of the data's tokens
+    (see :mod:`crosstrain.data.split`); ``None`` when there is none.
     """
-    from crosstrain.data.split import corpus_document_starts, split_documents
+    from crosstrain.data.split import corpus_document_starts, split_tokens
 
     if not data_cfg.path:
         from crosstrain.data.corpus import corpus_bytes, corpus_tokens
@@ -63,14 +63,7 @@ def build_datasets(data_cfg: Any, seq_len: int) -> tuple[TokenDataset, TokenData
 
         tokens, vocab = open_token_file(data_cfg.path)
         source, starts = str(data_cfg.path), document_starts(data_cfg.path, tokens)
-    fraction = 0.0 if data_cfg.val_path else float(data_cfg.val_fraction)
-    if fraction and starts is None:
-        from crosstrain.errors import CrosstrainWarning  # (one line on the CLI, not Python's two)
-
-        warnings.warn(f"data.path {source!r} records no document boundaries, so no validation split is held out; "
-                      "set data.val_path (or data.val_fraction=0 to silence this)", CrosstrainWarning, stacklevel=2)
-        fraction = 0.0
-    split = split_documents(tokens, starts, fraction)
+    split = split_tokens(tokens, starts, 0.0 if data_cfg.val_path else float(data_cfg.val_fraction))
     info: dict[str, Any] = {"source": source, **split.info}
     train = TokenDataset(split.train, seq_len, vocab)
     val = None
@@ -84,13 +77,21 @@ def build_datasets(data_cfg: Any, seq_len: int) -> tuple[TokenDataset, TokenData
         val = _val_dataset(val_tokens, seq_len, vocab, f"data.val_path {data_cfg.val_path!r}")
         info.update({"val_source": str(data_cfg.val_path), "val_tokens": int(len(val_tokens))})
     elif split.val is not None:
-        val = _val_dataset(split.val, seq_len, vocab, f"the validation split of {source}")
+        val = _val_dataset(split.val, seq_len, vocab, f"the validation split of {source}", len(tokens))
     info["val_samples"] = len(val) if val is not None else 0
     return train, val, info
 
 
-def _val_dataset(tokens: np.ndarray, seq_len: int, vocab: int, what: str) -> TokenDataset:
+def _val_dataset(tokens: np.ndarray, seq_len: int, vocab: int, what: str, total: int = 0) -> TokenDataset:
+    """``total``: the tokens the split was taken from (0: a separate file), to name the fraction that fits."""
     if (len(tokens) - 1) // seq_len < 1:
+        need = (seq_len + 1) / total if total else 1.0
+        if not total:
+            fix = "give data.val_path a longer file"
+        elif need > 0.5:  # holding out one sample would take most of the data
+            fix = f"the data ({total} tokens) is too small to hold one out: set data.val_fraction=0 or data.val_path"
+        else:
+            fix = f"raise data.val_fraction to {math.ceil(1000 * need) / 1000:g}"
         raise ConfigError(f"{what} has {len(tokens)} tokens, too few for one sample of train.seq_len={seq_len}; "
-                          "raise data.val_fraction or lower train.seq_len")
+                          f"{fix}, or lower train.seq_len")
     return TokenDataset(tokens, seq_len, vocab)

@@ -22,26 +22,46 @@ from crosstrain.engine.step import to_device
 from crosstrain.errors import ConfigError
 
 
-def eval_batches(num_samples: int, batch_size: int, steps: int) -> int:
-    """How many full eval batches one evaluation runs (``steps`` 0: the whole split)."""
+def eval_batches(num_samples: int, batch_size: int, max_batches: int) -> int:
+    """How many full eval batches one evaluation runs (``max_batches`` 0: the whole split)."""
     full = num_samples // batch_size
-    return min(full, steps) if steps else full
+    return min(full, max_batches) if max_batches else full
 
 
 def check_eval(num_samples: int, batch_size: int, dp_size: int, microbatches: int) -> None:
     """One-line errors for eval settings that cannot run on this data and layout."""
-    if batch_size % (dp_size * microbatches):
+    unit = dp_size * microbatches  # every data-parallel rank (and pipeline micro-batch) takes a share
+    if batch_size % unit:
         raise ConfigError(f"eval.batch_size={batch_size} must be divisible by the data-parallel degree ({dp_size})"
                           + (f" x pipeline micro-batches ({microbatches})" if microbatches > 1 else "")
                           + "; change eval.batch_size")
     if num_samples < batch_size:
+        fits = num_samples // unit * unit
+        fix = f"set eval.batch_size={fits}" if fits else "hold out more data"
         raise ConfigError(f"the validation data has {num_samples} samples, fewer than eval.batch_size={batch_size}; "
-                          "lower eval.batch_size or raise data.val_fraction")
+                          f"{fix} or raise data.val_fraction")
+
+
+def fit_eval_batch(num_samples: int, batch_size: int, explicit: bool, dp_size: int,
+                   microbatches: int) -> tuple[int, str]:
+    """The eval batch size for ``num_samples`` held-out samples, and a one-line notice when it differs.
+
+    ``batch_size`` inherited from ``train.batch_size`` (``explicit`` False) shrinks to the largest multiple of
+    ``dp_size x microbatches`` that the data fills, so a small dataset (15 held-out preference rows under a
+    batch of 16) still evaluates; an ``eval.batch_size`` the user set is kept or refused (:func:`check_eval`).
+    """
+    unit = dp_size * microbatches
+    fits = num_samples // unit * unit
+    if explicit or num_samples >= batch_size or not fits:
+        check_eval(num_samples, batch_size, dp_size, microbatches)
+        return batch_size, ""
+    return fits, (f"crosstrain: eval batch {batch_size} -> {fits}: the validation data has only {num_samples} "
+                  f"samples (set eval.batch_size to choose another)")
 
 
 @torch.no_grad()
 def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: TrainedModel, dataset: RecipeDataset, *,
-             batch_size: int, steps: int, dp_rank: int, dp_size: int, device: torch.device) -> dict[str, float]:
+             batch_size: int, max_batches: int, dp_rank: int, dp_size: int, device: torch.device) -> dict[str, float]:
     """``eval/loss``, ``eval/perplexity`` (token-NLL recipes), ``eval/<metric>`` and ``time_eval_s`` (the same on
     every rank)."""
     start = time.perf_counter()
@@ -53,7 +73,7 @@ def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: Traine
     per_rank = batch_size // dp_size
     sums: torch.Tensor | None = None
     names: list[str] = ["loss"]
-    n = eval_batches(len(dataset), batch_size, steps)
+    n = eval_batches(len(dataset), batch_size, max_batches)
     try:
         for b in range(n):
             first = b * batch_size + dp_rank * per_rank

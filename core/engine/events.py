@@ -12,6 +12,7 @@ from typing import Any
 from crosstrain import pluginmanager
 from crosstrain.checkpoint.manifest import atomic_write
 from crosstrain.config import Config
+from crosstrain.data.split import split_line
 from crosstrain.engine.metrics import (
     EventsFileSink,
     JsonlSink,
@@ -73,6 +74,8 @@ class Events:
         self.metrics.add(EventsFileSink(run_dir / "events.jsonl"))
         if data_split:  # how the data was split into training and held-out parts
             atomic_write(run_dir / "data_split.json", (json.dumps(data_split, indent=2) + "\n").encode())
+            if "train_tokens" in data_split:  # a token split: say what it holds out (stdout: news, not a warning)
+                print(split_line(data_split), flush=True)
         mode = cfg.progress
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"

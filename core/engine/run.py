@@ -26,7 +26,7 @@ from crosstrain.distenv import DistEnv
 from crosstrain.engine import fast_defaults
 from crosstrain.engine.capabilities import check_capabilities
 from crosstrain.engine.context import RunContext
-from crosstrain.engine.evaluate import check_eval, eval_batches, evaluate
+from crosstrain.engine.evaluate import eval_batches, evaluate, fit_eval_batch
 from crosstrain.engine.flops import count_flops, training_flops_per_token
 from crosstrain.engine.loss_scale import DynamicLossScaler
 from crosstrain.engine.models import TrainedModel, check_specs, frozen_sha256, transform_specs
@@ -48,13 +48,13 @@ class EvalData:
 
     dataset: RecipeDataset
     batch_size: int
-    steps: int
+    max_batches: int
     dp_rank: int
     dp_size: int
 
     @property
     def batches(self) -> int:
-        return eval_batches(len(self.dataset), self.batch_size, self.steps)
+        return eval_batches(len(self.dataset), self.batch_size, self.max_batches)
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Run:
 
         def run() -> dict[str, float]:
             return evaluate(self.recipe, self.models, self.primary, e.dataset, batch_size=e.batch_size,
-                            steps=e.steps, dp_rank=e.dp_rank, dp_size=e.dp_size, device=self.device)
+                            max_batches=e.max_batches, dp_rank=e.dp_rank, dp_size=e.dp_size, device=self.device)
 
         results = run()
         for _, variants in pluginmanager.call_strict("crosstrain_eval_variants", "name its eval variants",
@@ -248,10 +248,11 @@ def _build(
     if cfg.eval.every or for_eval:
         held_out = recipe.build_eval_dataset(context)
         if held_out is not None:
-            eval_data = EvalData(
-                held_out, cfg.eval.batch_size or cfg.train.batch_size, cfg.eval.steps, dp_rank, dp_size
-            )
-            check_eval(len(held_out), eval_data.batch_size, dp_size, primary.parallel.microbatches)
+            batch_size, notice = fit_eval_batch(len(held_out), cfg.eval.batch_size or cfg.train.batch_size,
+                                                bool(cfg.eval.batch_size), dp_size, primary.parallel.microbatches)
+            if notice:
+                context.emit_event("eval_batch_fitted", notice, batch_size=batch_size)
+            eval_data = EvalData(held_out, batch_size, cfg.eval.max_batches, dp_rank, dp_size)
     scaler = DynamicLossScaler(
         cfg.precision.dtype == "fp16", cfg.precision.init_loss_scale, cfg.precision.loss_scale_growth_interval
     )

@@ -1,4 +1,4 @@
-"""``crosstrain report RUN_DIR [RUN_DIR ...] [--out DIR]``."""
+"""``crosstrain report RUN_DIR [RUN_DIR ...] [--out DIR] [--metric NAME ...]``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                                           "overlay. Works on a run that is still going (run it again to refresh).")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", "-o", default=None, help="output folder (default: <first RUN_DIR>/report)")
+    p.add_argument("--metric", "-m", action="append", default=[], metavar="NAME",
+                   help="also plot this metrics.jsonl key against the step (repeatable; a pattern such as "
+                        "'rewards/*' plots every match)")
     p.set_defaults(func=_report)
     train = subparsers.choices.get("train")
     if train is not None:  # crosstrain train --profile-steps A:B is --set observability.profile_steps=A:B
@@ -36,6 +39,6 @@ def _report(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; pass a folder (the report is FOLDER/report.html with a PNG "
                           "per plot)")
-    path = write_report(args.run_dirs, out)
+    path = write_report(args.run_dirs, out, args.metric)
     print(f"crosstrain: report written to {path} (and one PNG per plot in {out})")
     return 0

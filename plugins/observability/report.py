@@ -10,6 +10,7 @@ import base64
 import fnmatch
 import html
 import io
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -161,9 +162,24 @@ def _events_table(runs: list[RunData]) -> str:
             f"{''.join(rows)}</table>")
 
 
-def write_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
-    """Write ``report.html`` and ``<panel id>.png`` for every panel into ``out_dir``; returns the HTML path."""
-    plt = _pyplot()
+def metric_panels(names: list[str], runs: list[RunData]) -> list[Panel]:
+    """One line panel per ``--metric NAME`` (an ``fnmatch`` pattern such as ``rewards/*`` draws every match);
+    a name no run logged is a one-line error listing the metrics they did log."""
+    logged = sorted({k for r in runs for k in r.keys() if r.series(k)[0]})
+    panels = []
+    for name in names:
+        if not any(fnmatch.fnmatchcase(k, name) for k in logged):
+            from crosstrain.errors import ConfigError
+
+            raise ConfigError(f"--metric {name!r} is not in the runs' metrics.jsonl; logged metrics: "
+                              f"{', '.join(logged)}")
+        panels.append(Panel("metric-" + re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_"), name, (name,), name))
+    return panels
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path, metrics: list[str] | None = None) -> Path:
+    """Write ``report.html`` and ``<panel id>.png`` for every panel into ``out_dir`` (the built-in and plugin
+    panels, then one per name in ``metrics``: see :func:`metric_panels`); returns the HTML path."""
     runs = [load_run(d) for d in run_dirs]
     empty = [r for r in runs if not r.metrics]
     if empty:  # nothing to plot (matplotlib would only warn about empty axes)
@@ -171,10 +187,12 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
 
         raise ConfigError(f"{str(empty[0].path)!r} has no step records in metrics.jsonl yet; run the report once "
                           "the run has logged a step (or leave that run dir out)")
+    asked = metric_panels(list(metrics or []), runs)  # a wrong name fails before matplotlib loads or a file is written
+    plt = _pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sections = []
-    for panel in report_panels():
+    for panel in [*report_panels(), *asked]:
         if not panel.builtin and not any(_keys(panel, r) for r in runs):
             continue  # a plugin's panel for metrics these runs do not have
         fig, points = _draw(plt, panel, runs)
