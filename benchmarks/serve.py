@@ -14,7 +14,9 @@ Both must return the same texts (checked: batching never changes a greedy result
 ``ttft_ms`` (median time from sending a request to its first text chunk), ``per_token_ms`` (median over requests
 of the time between its first and last text chunk over the chunks between; one chunk per token with this byte
 tokenizer, unless bytes of one character are held together) and ``tokens_per_s`` (all chunks over the round's
-wall time). ``batching_speedup`` is concurrent over sequential tokens/s at 32 clients (median over repetitions).
+wall time). ``reply_ms_1_client``: the median latency of a non-streamed request (``--new-tokens``) from one
+client, where a delayed ACK would hold the whole reply. ``batching_speedup`` is concurrent over sequential
+tokens/s at 32 clients (median over repetitions).
 Then the swap: the run's newest checkpoint was held back at start (renamed away, so the server starts on the one
 before); while ``--clients`` streams run, it is renamed back (an atomic commit, as the trainer's) and the server
 loads, gates and swaps it. ``swap_stall_ms`` is the longest gap between two chunks (or before the first) that any
@@ -191,7 +193,7 @@ def main() -> None:
         conc, seq = level["concurrent"], level["sequential"]
         print(f"{c:>8} " + " ".join(f"{conc[k]:>9} / {seq[k]:<{w}}" for k, w in
                                     (("ttft_ms", 6), ("per_token_ms", 6), ("tokens_per_s", 8))))
-    for key in ("batching_speedup", "swap_stall_ms", "stall_baseline_ms", "swap_lag_s", "errors"):
+    for key in ("reply_ms_1_client", "batching_speedup", "swap_stall_ms", "stall_baseline_ms", "swap_lag_s", "errors"):
         print(f"{key:>24}: {out[key]}")
     print(json.dumps(out))
 
@@ -202,6 +204,10 @@ def measure(url: str, prompts: list[str], args: argparse.Namespace, held: Path, 
     errors = 0
     with httpx.Client() as warm:  # first-call costs (allocations, lazy imports) out of the timings
         complete(warm, url, "warm up", n)
+    with httpx.Client() as client:  # non-streamed: where a delayed ACK would hold the whole reply
+        replies = [complete(client, url, f"Reply {i}: the quick brown fox", n) for i in range(8 * args.reps)]
+    errors += sum(not r[0] for r in replies)
+    reply_ms = round(1000 * statistics.median(r[2] for r in replies), 2)
     levels: dict[str, dict[str, Any]] = {}
     for c in LEVELS:
         asked = [f"Request {i}: the quick brown fox {'jumps ' * (i % 5)}" for i in range(c)]
@@ -244,7 +250,8 @@ def measure(url: str, prompts: list[str], args: argparse.Namespace, held: Path, 
     swaps = [json.loads(e.split(": ", 1)[1]) for e in events if '"swapped"' in e]
     top = levels[str(LEVELS[-1])]
     return {"new_tokens": n, "reps": args.reps, "max_batch": args.max_batch, "tcp_nodelay": "server and client",
-            "levels": levels, "ttft_ms_1_client": levels["1"]["concurrent"]["ttft_ms"],
+            "levels": levels, "reply_ms_1_client": reply_ms,
+            "ttft_ms_1_client": levels["1"]["concurrent"]["ttft_ms"],
             f"tokens_per_s_{LEVELS[-1]}_clients": top["concurrent"]["tokens_per_s"],
             "sequential_tokens_per_s": top["sequential"]["tokens_per_s"],
             "batching_speedup": round(top["concurrent"]["tokens_per_s"] / top["sequential"]["tokens_per_s"], 2),
