@@ -1,21 +1,30 @@
-"""``crosstrain serve`` over HTTP: continuous batching's throughput, latency, and the pause a hot swap causes.
+"""``crosstrain serve`` over HTTP: time to first token, per-token latency and throughput at 1/8/32 clients next to
+the same requests one at a time, and the pause a hot swap causes.
 
 A tiny run (the ``tiny`` preset, trained a few steps in this process, checkpointed every step) is served by a
-real ``crosstrain serve --watch`` process on 127.0.0.1. Side by side, repetitions interleaved:
+real ``crosstrain serve --watch`` process on 127.0.0.1. Both sides of every comparison run with TCP_NODELAY: the
+server sets it on each accepted connection (tests/test_serve_shutdown.py checks it) and httpx's client sets it on
+its own, so no reply waits on the delayed-ACK timer (~40 ms) that inflated the one-at-a-time baseline before. At
+each level ``c`` in 1, 8, 32, repetitions interleaved:
 
-- ``sequential``: the ``--clients`` requests (distinct prompts, greedy, ``--new-tokens`` each) one at a time;
-- ``concurrent``: the same requests from ``--clients`` threads at once (they share decode steps).
+- ``sequential``: ``c`` streamed requests (distinct prompts, greedy, ``--new-tokens`` each) one at a time;
+- ``concurrent``: the same ``c`` requests from ``c`` threads at once (they share decode steps).
 
-Both must return the same texts (checked: batching never changes a greedy result). ``batching_speedup`` is
-concurrent over sequential tokens/s (median over the repetitions; goal >= 3); ``p50_ms``/``p99_ms`` are the
-concurrent requests' latencies. Then the swap: the run's newest checkpoint was held back at start (renamed away,
-so the server starts on the one before); while the clients stream, it is renamed back (an atomic commit, as the
-trainer's) and the server loads, gates and swaps it. ``swap_stall_ms`` is the longest gap between two chunks
-(or before the first) that any stream in flight during the swap saw, ``stall_baseline_ms`` the same over a
-streaming round without a swap; ``swap_lag_s`` is from the commit to the server's swap (``--poll-s 0.5``: the
-look, the load and the gate). ``errors`` counts failed requests (goal 0). JSON on the last line.
+Both must return the same texts (checked: batching never changes a greedy result). Per level and side:
+``ttft_ms`` (median time from sending a request to its first text chunk), ``per_token_ms`` (median over requests
+of the time between its first and last text chunk over the chunks between; one chunk per token with this byte
+tokenizer, unless bytes of one character are held together) and ``tokens_per_s`` (all chunks over the round's
+wall time). ``reply_ms_1_client``: the median latency of a non-streamed request (``--new-tokens``) from one
+client, where a delayed ACK would hold the whole reply. ``batching_speedup`` is concurrent over sequential
+tokens/s at 32 clients (median over repetitions).
+Then the swap: the run's newest checkpoint was held back at start (renamed away, so the server starts on the one
+before); while ``--clients`` streams run, it is renamed back (an atomic commit, as the trainer's) and the server
+loads, gates and swaps it. ``swap_stall_ms`` is the longest gap between two chunks (or before the first) that any
+stream in flight during the swap saw, ``stall_baseline_ms`` the same over a streaming round without a swap;
+``swap_lag_s`` is from the commit to the server's swap (``--poll-s 0.5``: the look, the load and the gate).
+``errors`` counts failed requests (goal 0). JSON on the last line.
 
-    python benchmarks/serve.py [--quick] [--clients 16] [--new-tokens 64] [--reps 3] [--max-batch 16]
+    python benchmarks/serve.py [--quick] [--clients 16] [--new-tokens 64] [--reps 3] [--max-batch 32]
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+#: clients at once in each latency round
+LEVELS = (1, 8, 32)
 
 
 def train_run(run: Path, steps: int) -> None:
@@ -95,6 +107,39 @@ def stream(client: httpx.Client, url: str, prompt: str, n: int) -> tuple[bool, l
     return True, times
 
 
+def timed_stream(client: httpx.Client, url: str, prompt: str, n: int) -> tuple[bool, str, list[float]]:
+    """Stream one completion: its text and the arrival times of its text chunks (the request's start first)."""
+    times, text = [time.perf_counter()], ""
+    try:
+        with client.stream("POST", f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n,
+                                                                   "temperature": 0, "stream": True},
+                           timeout=600) as r:
+            if r.status_code != 200:
+                return False, text, times
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                body = json.loads(line[len("data: "):])
+                if "error" in body:
+                    return False, text, times
+                if body["choices"][0]["text"]:
+                    times.append(time.perf_counter())
+                    text += body["choices"][0]["text"]
+    except httpx.HTTPError:
+        return False, text, times
+    return len(times) > 1, text, times
+
+
+def latency(results: list[tuple[bool, str, list[float]]], wall: float) -> dict[str, float]:
+    """Median time to first token and per-token latency (ms) of a round's streams, and its tokens/s."""
+    ttft = [t[1] - t[0] for _, _, t in results if len(t) > 1]
+    per_token = [(t[-1] - t[1]) / (len(t) - 2) for _, _, t in results if len(t) > 2]
+    tokens = sum(len(t) - 1 for _, _, t in results)
+    return {"ttft_ms": 1000 * statistics.median(ttft) if ttft else float("nan"),
+            "per_token_ms": 1000 * statistics.median(per_token) if per_token else float("nan"),
+            "tokens_per_s": tokens / wall}
+
+
 def concurrent(fn: Any, url: str, prompts: list[str], n: int) -> tuple[list[Any], float]:
     results: list[Any] = [None] * len(prompts)
     clients = [httpx.Client() for _ in prompts]
@@ -121,10 +166,10 @@ def max_gap(times: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="--new-tokens 32 --reps 2")
-    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--clients", type=int, default=16, help="streams in flight during the swap")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: torch's default)")
     args = parser.parse_args()
     if args.quick:
@@ -143,8 +188,12 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     out["load_avg"] = os.getloadavg()[0]
-    for key in ("sequential_tokens_per_s", "concurrent_tokens_per_s", "batching_speedup", "p50_ms", "p99_ms",
-                "swap_stall_ms", "stall_baseline_ms", "swap_lag_s", "errors"):
+    print(f"{'clients':>8} {'ttft_ms':>18} {'per_token_ms':>18} {'tokens_per_s':>20}   (concurrent / one at a time)")
+    for c, level in out["levels"].items():
+        conc, seq = level["concurrent"], level["sequential"]
+        print(f"{c:>8} " + " ".join(f"{conc[k]:>9} / {seq[k]:<{w}}" for k, w in
+                                    (("ttft_ms", 6), ("per_token_ms", 6), ("tokens_per_s", 8))))
+    for key in ("reply_ms_1_client", "batching_speedup", "swap_stall_ms", "stall_baseline_ms", "swap_lag_s", "errors"):
         print(f"{key:>24}: {out[key]}")
     print(json.dumps(out))
 
@@ -155,22 +204,27 @@ def measure(url: str, prompts: list[str], args: argparse.Namespace, held: Path, 
     errors = 0
     with httpx.Client() as warm:  # first-call costs (allocations, lazy imports) out of the timings
         complete(warm, url, "warm up", n)
-    seq_rates, conc_rates, latencies = [], [], []
-    reference: list[str] | None = None
-    for _ in range(args.reps):
-        with httpx.Client() as client:
-            t0 = time.perf_counter()
-            alone = [complete(client, url, p, n) for p in prompts]
-            seq_wall = time.perf_counter() - t0
-        together, conc_wall = concurrent(complete, url, prompts, n)
-        errors += sum(not r[0] for r in alone + together)
-        texts = [r[1] for r in alone]
-        if [r[1] for r in together] != texts or (reference is not None and texts != reference):
-            raise SystemExit("batched greedy texts differ from the same requests served alone")
-        reference = texts
-        seq_rates.append(sum(r[3] for r in alone) / seq_wall)
-        conc_rates.append(sum(r[3] for r in together) / conc_wall)
-        latencies += [r[2] * 1000 for r in together]
+    with httpx.Client() as client:  # non-streamed: where a delayed ACK would hold the whole reply
+        replies = [complete(client, url, f"Reply {i}: the quick brown fox", n) for i in range(8 * args.reps)]
+    errors += sum(not r[0] for r in replies)
+    reply_ms = round(1000 * statistics.median(r[2] for r in replies), 2)
+    levels: dict[str, dict[str, Any]] = {}
+    for c in LEVELS:
+        asked = [f"Request {i}: the quick brown fox {'jumps ' * (i % 5)}" for i in range(c)]
+        rounds: dict[str, list[dict[str, float]]] = {"concurrent": [], "sequential": []}
+        for _ in range(args.reps):
+            with httpx.Client() as client:
+                t0 = time.perf_counter()
+                alone = [timed_stream(client, url, p, n) for p in asked]
+                seq_wall = time.perf_counter() - t0
+            together, conc_wall = concurrent(timed_stream, url, asked, n)
+            errors += sum(not r[0] for r in alone + together)
+            if [r[1] for r in together] != [r[1] for r in alone]:
+                raise SystemExit("batched greedy texts differ from the same requests served alone")
+            rounds["sequential"].append(latency(alone, seq_wall))
+            rounds["concurrent"].append(latency(together, conc_wall))
+        levels[str(c)] = {side: {k: round(statistics.median(r[k] for r in rs), 2) for k in rs[0]}
+                          for side, rs in rounds.items()}
     context = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["context_length"]
     longest = max(len(p.encode()) for p in prompts)  # byte tokenizer: one token per byte
     long_n = min(4 * n, context - longest)  # streams long enough to be in flight when the swap lands
@@ -194,14 +248,14 @@ def measure(url: str, prompts: list[str], args: argparse.Namespace, held: Path, 
     errors += sum(not ok for ok, _ in swap_streams)
     step = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["step"]
     swaps = [json.loads(e.split(": ", 1)[1]) for e in events if '"swapped"' in e]
-    latencies.sort()
-    seq, conc = statistics.median(seq_rates), statistics.median(conc_rates)
-    return {"clients": len(prompts), "new_tokens": n, "reps": args.reps,
-            "sequential_tokens_per_s": round(seq, 1), "concurrent_tokens_per_s": round(conc, 1),
-            "batching_speedup": round(conc / seq, 2),
-            "p50_ms": round(latencies[len(latencies) // 2], 1),
-            "p99_ms": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1),
-            "swap_stall_ms": round(1000 * max(max_gap(t) for _, t in swap_streams), 1),
+    top = levels[str(LEVELS[-1])]
+    return {"new_tokens": n, "reps": args.reps, "max_batch": args.max_batch, "tcp_nodelay": "server and client",
+            "levels": levels, "reply_ms_1_client": reply_ms,
+            "ttft_ms_1_client": levels["1"]["concurrent"]["ttft_ms"],
+            f"tokens_per_s_{LEVELS[-1]}_clients": top["concurrent"]["tokens_per_s"],
+            "sequential_tokens_per_s": top["sequential"]["tokens_per_s"],
+            "batching_speedup": round(top["concurrent"]["tokens_per_s"] / top["sequential"]["tokens_per_s"], 2),
+            "swap_clients": len(prompts), "swap_stall_ms": round(1000 * max(max_gap(t) for _, t in swap_streams), 1),
             "stall_baseline_ms": round(1000 * max(max_gap(t) for _, t in baseline), 1),
             "swapped_to_step": step, "swap_lag_s": round(swaps[-1]["time"] - committed, 2) if swaps else None,
             "errors": errors}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from crosstrain.plugins.serve.metrics import ServeMetrics
 from crosstrain.plugins.serve.protocol import DEFAULT_MAX_TOKENS, APIError, ChatBody, CompletionBody, Sampling, parse
 from crosstrain.plugins.serve.requests import Job
 from crosstrain.plugins.serve.scheduler import Scheduler
+from crosstrain.plugins.serve.shutdown import InFlight
 
 #: chat replies end where the template's next ``<|role|>`` tag would begin (plugins/rlhf/data.py's template:
 #: a message is ``<|role|>\n{content}\n``), so the reply is the content without its closing newline
@@ -33,6 +34,7 @@ class Served:
     manager: ModelManager
     scheduler: Scheduler
     metrics: ServeMetrics
+    inflight: InFlight = field(default_factory=InFlight)  # what a shutdown ends once its grace period is over
 
 
 def create_app(served: Served) -> FastAPI:

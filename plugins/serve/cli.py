@@ -20,7 +20,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return main(ServeOptions(source=args.source, host=args.host, port=args.port, engine=args.engine,
                              watch=args.watch, best=args.best, max_batch=args.max_batch,
                              max_wait_ms=args.max_wait_ms, poll_s=args.poll_s, model_name=args.model_name,
-                             threads=args.threads))
+                             threads=args.threads, shutdown_grace_s=args.shutdown_grace_s))
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +42,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--poll-s", type=float, default=2.0, help="--watch: seconds between looks at the run dir")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the run dir's name)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--shutdown-grace-s", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT: stop accepting, let replies in flight finish for this many seconds, then "
+                        "end the rest (streams: an error event, then [DONE]) and exit 0")
     p.set_defaults(func=_dispatch)
 
 

@@ -14,7 +14,9 @@ class ServeOptions:
     """``source``: anything ``crosstrain generate`` takes (run dir, checkpoint, .safetensors, HF folder, .onnx).
     ``watch``: poll the run dir every ``poll_s`` for a newer verified checkpoint (``best``: a new best one).
     ``max_batch`` sequences share each decode step; an idle server waits up to ``max_wait_ms`` for more requests
-    before starting a batch. ``model_name``: the id clients pass as ``model`` (default: the run dir's name)."""
+    before starting a batch. ``model_name``: the id clients pass as ``model`` (default: the run dir's name).
+    ``shutdown_grace_s``: on SIGTERM/SIGINT, how long replies in flight may run before they are ended (an SSE error
+    event and ``[DONE]``); 10 s leaves room within Kubernetes' default 30 s before it sends SIGKILL."""
 
     source: str
     host: str = "127.0.0.1"
@@ -27,6 +29,7 @@ class ServeOptions:
     poll_s: float = 2.0
     model_name: str | None = None
     threads: int | None = None
+    shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -41,5 +44,7 @@ class ServeOptions:
             raise ConfigError(f"--poll-s must be > 0, got {self.poll_s}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if not 0 <= self.shutdown_grace_s <= 3600:
+            raise ConfigError(f"--shutdown-grace-s must lie in [0, 3600] seconds, got {self.shutdown_grace_s}")
         if self.source.endswith(".onnx") and (self.watch or self.best):
             raise ConfigError(f"{self.source} is an ONNX file; --watch and --best follow a run, so pass its run dir")

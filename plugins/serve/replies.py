@@ -19,14 +19,27 @@ if TYPE_CHECKING:
     from crosstrain.plugins.serve.app import Served
 
 
+def submit(served: Served, job: Job) -> None:
+    """Queue ``job``, tracked as in flight (so a shutdown can end it); once the server is shutting down past its
+    grace period the job fails at once instead."""
+    if served.inflight.admit(job):
+        served.scheduler.submit(job)
+
+
+def settle(served: Served, job: Job) -> None:
+    """The reply is over (sent, failed, or its client went away): its sequence leaves the batch at the next step."""
+    job.cancelled = True
+    served.inflight.discard(job)
+
+
 async def gather(served: Served, jobs: list[Job]) -> list[tuple[str, str, int]]:
     for job in jobs:
-        served.scheduler.submit(job)
+        submit(served, job)
     try:
         return [await result(served, job) for job in jobs]
-    finally:  # a client that went away: its sequences leave the batch at the next step
+    finally:
         for job in jobs:
-            job.cancelled = True
+            settle(served, job)
 
 
 async def result(served: Served, job: Job) -> tuple[str, str, int]:
@@ -94,7 +107,7 @@ def stream(served: Served, job: Job, body: Sampling, kind: str) -> StreamingResp
         return f"data: {json.dumps(data)}\n\n"
 
     async def events() -> AsyncIterator[str]:
-        served.scheduler.submit(job)
+        submit(served, job)
         try:
             first = True
             while True:
@@ -111,6 +124,6 @@ def stream(served: Served, job: Job, body: Sampling, kind: str) -> StreamingResp
                     break
             yield "data: [DONE]\n\n"
         finally:
-            job.cancelled = True
+            settle(served, job)
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,9 +1,11 @@
 """Start the server: bind the port first (a port in use is a one-line error before anything loads), load and gate
 the first version, then run uvicorn on that socket, in the foreground (the CLI) or on a thread (tests, benchmarks).
+SIGTERM/SIGINT drain the replies in flight (shutdown.py), then the temp dir goes and the process exits 0.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 import tempfile
@@ -21,7 +23,9 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family = infos[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (accepted ones inherit
+        # it); without it every reply's last segment waits on the client's delayed-ACK timer (~40 ms on Linux)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     except OSError as exc:
         raise ConfigError(f"--host {host!r} is not an address of this machine ({exc}); use 127.0.0.1 or "
                           "0.0.0.0") from None
@@ -68,7 +72,8 @@ class Server:
             self._reference.__exit__(None, None, None)
             raise
         self.name = options.model_name or _default_name(options.source)
-        self.app = create_app(Served(self.name, self.manager, self.scheduler, self.metrics))
+        self.served = Served(self.name, self.manager, self.scheduler, self.metrics)
+        self.app = create_app(self.served)
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
 
@@ -81,11 +86,16 @@ class Server:
         host = self.options.host if self.options.host not in ("0.0.0.0", "::") else "127.0.0.1"
         return f"http://{host}:{self.port}"
 
-    def _config(self) -> Any:
+    def _uvicorn_server(self, on_started: Any = None) -> Any:
         import uvicorn
 
-        return uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                              timeout_graceful_shutdown=5)
+        from crosstrain.plugins.serve.shutdown import FLUSH_S, GracefulServer
+
+        grace = self.options.shutdown_grace_s
+        # uvicorn cancels what is left only after the grace period has ended every reply and FLUSH_S more has passed
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=grace + FLUSH_S)
+        return GracefulServer(config, self.served.inflight, grace, on_started)
 
     def banner(self) -> str:
         v = self.manager.current
@@ -93,25 +103,23 @@ class Server:
         return (f"crosstrain serve: listening on {self.url}/v1 (model {self.name!r}, step {v.step}, engine "
                 f"{v.engine}, max batch {self.options.max_batch}{watching})")
 
-    def serve_forever(self) -> None:
-        """Run in the foreground until SIGINT/SIGTERM."""
-        import uvicorn
-
-        self.scheduler.start()
-        self.manager.start()
-        print(self.banner(), flush=True)
+    def serve_forever(self) -> str:
+        """Run in the foreground until SIGINT/SIGTERM, drain, clean up; returns the one line saying how it stopped.
+        The banner is printed once uvicorn accepts and its signal handlers are in place."""
         try:
-            uvicorn.Server(self._config()).run(sockets=[self.sock])
+            self.scheduler.start()
+            self.manager.start()
+            self._uvicorn = self._uvicorn_server(lambda: print(self.banner(), flush=True))
+            self._uvicorn.run(sockets=[self.sock])
+            return str(self._uvicorn.summary())
         finally:
             self.close()
 
     def start(self) -> Server:
         """Serve on a background thread; returns once the server accepts connections."""
-        import uvicorn
-
         self.scheduler.start()
         self.manager.start()
-        self._uvicorn = uvicorn.Server(self._config())
+        self._uvicorn = self._uvicorn_server()
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.sock]},
                                         name="crosstrain-serve-http", daemon=True)
         self._thread.start()
@@ -157,6 +165,12 @@ def _default_name(source: str) -> str:
 
 
 def main(options: ServeOptions) -> int:
-    Server(options).serve_forever()
-    print("crosstrain serve: stopped", file=sys.stderr)
+    # until uvicorn takes the signals over, SIGTERM interrupts like SIGINT, so loading a model is cut short with its
+    # temp dir removed (Server.__init__ and serve_forever clean up on any exception) rather than killed mid-way
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        line = Server(options).serve_forever()
+    except KeyboardInterrupt:
+        line = "crosstrain serve: stopped before it was serving"
+    print(line, file=sys.stderr)
     return 0
