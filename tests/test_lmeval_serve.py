@@ -175,3 +175,45 @@ def test_chat_generate_until_equals_crosstrain_generate(served: dict[str, Any],
         cut += until in reply(text, CHAT_STOPS)
         said += bool(sample["filtered_resps"][0])
     assert cut >= 1 and said >= 1
+
+
+def test_a_stop_token_generated_after_the_continuation_keeps_its_last_token_scored() -> None:
+    """lm-eval sends context + continuation with ``echo``, ``max_tokens`` 1 and reads every log-prob but the last
+    (the generated token). When that token is a stop token (EOS), it must still be listed, or the continuation's
+    last token would silently leave the score. A real model, batch and job; lm-eval's own parser reads the reply."""
+    import asyncio
+
+    import torch
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from crosstrain.generation import ContinuousBatch, GenerationConfig, Sequence
+    from crosstrain.models.gpt import build_gpt
+    from crosstrain.plugins.serve.logprobs import completion_logprobs
+    from crosstrain.plugins.serve.requests import Job
+    from crosstrain.plugins.serve.versions import Codec
+
+    torch.manual_seed(0)
+    model = build_gpt("tiny", n_layers=1, max_seq_len=64)
+    model.init_weights()
+    model.eval()
+    context, continuation = list(b"Ada found the"), list(b" lantern")
+    prompt = [*context, *continuation]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), dim=-1)
+    eos = int(ref[-1].argmax())  # the token the model picks next, declared its stop token
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(prompt, GenerationConfig(max_new_tokens=1, greedy=True, stop_tokens=(eos,)), None, (),
+                  Codec({"type": "byte"}).decode, loop, alternatives=1, score_prompt=True)
+        seq = ContinuousBatch(model, 1).add(Sequence(prompt, job.config, tag=job, alternatives=1, score_prompt=True))
+        assert not job.feed(seq) and seq.stopped and job.text == ""
+        lp = completion_logprobs(job, echo=True)
+    finally:
+        loop.close()
+    assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][-1] == pytest.approx(ref[-1, eos].item(),
+                                                                                             abs=1e-5)
+    (ll, greedy), = LocalCompletionsAPI.parse_logprobs({"choices": [{"index": 0, "logprobs": lp}]},
+                                                       ctxlens=[len(context)])
+    expected = sum(ref[i - 1, prompt[i]].item() for i in range(len(context), len(prompt)))
+    assert ll == pytest.approx(expected, abs=1e-4)
+    assert greedy == all(int(ref[i - 1].argmax()) == prompt[i] for i in range(len(context), len(prompt)))
