@@ -217,3 +217,18 @@ def test_a_stop_token_generated_after_the_continuation_keeps_its_last_token_scor
     expected = sum(ref[i - 1, prompt[i]].item() for i in range(len(context), len(prompt)))
     assert ll == pytest.approx(expected, abs=1e-4)
     assert greedy == all(int(ref[i - 1].argmax()) == prompt[i] for i in range(len(context), len(prompt)))
+
+
+def test_the_lm_eval_command_line_scores_the_same_through_serve(served: dict[str, Any], completions: dict[str, Any],
+                                                                tmp_path: Path) -> None:
+    """The same run as ``lm-eval --model local-completions ... --tasks mc.yaml`` (the harness's own command)."""
+    args = (f"model=tiny,base_url={served['url']}/completions,tokenizer={served['hf']},tokenizer_backend=huggingface,"
+            f"tokenized_requests=True,max_length={served['context']},max_retries=1")
+    cli = Path(sys.executable).with_name("lm-eval")
+    proc = subprocess.run([str(cli), "--model", "local-completions", "--model_args", args, "--tasks",
+                           str(served["root"] / "mc.yaml"), "--batch_size", "16", "--output_path", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(next(tmp_path.glob("**/results_*.json")).read_text())["results"]["tiny_mc"]
+    for metric in ACC:
+        assert results[f"{metric},none"] == completions["results"]["tiny_mc"][f"{metric},none"]
