@@ -51,14 +51,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     Trainer(load_config(None, TRAIN), run_dir=root / "run").fit()
     cmd = [sys.executable, "-m", "crosstrain", "serve", str(root / "run"), "--port", "0", "--threads", "1",
            "--max-batch", "16", "--max-wait-ms", "2", "--model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = root / "serve.stderr"  # a file, not a pipe nobody reads: the server can never block on it
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     try:  # the export and the task files are written while the server starts
         assert main(["export", str(root / "run"), "--format", "hf", "--out", str(root / "hf")]) == 0
         mc_task(root)
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = proc.stdout.readline()  # the banner, its one line on stdout
         found = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert found, f"no listening line: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert found, f"no listening line: {line!r}; stderr: {log.read_text()[-2000:]}"
         import httpx
 
         model = httpx.get(f"{found.group(0)}/v1/models", timeout=30).json()["data"][0]
