@@ -15,6 +15,7 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")  # lm-eval's hf model, the reference
 
+from lm_eval_tasks import WORDS, gen_task, mc_task, rolling_task  # noqa: E402
 from one_line import one_line_error  # noqa: E402
 
 from crosstrain.cli.main import main  # noqa: E402
@@ -22,88 +23,14 @@ from crosstrain.config import load_config  # noqa: E402
 from crosstrain.engine import Trainer  # noqa: E402
 
 TRAIN = ["logging.progress=none", "train.steps=40", "train.seq_len=64", "train.batch_size=8", "checkpoint.every=40"]
-WORDS = ["lantern", "river", "stone", "garden", "window", "bridge", "candle"]
-
-
-def _mc_task(root: Path, items: int = 60) -> Path:
-    """A multiple-choice task: which word ends the sentence (3 choices)."""
-    with open(root / "mc.jsonl", "w") as f:
-        for i in range(items):
-            a, b, c = WORDS[i % 7], WORDS[(i + 2) % 7], WORDS[(i + 5) % 7]
-            f.write(json.dumps({"q": f"Ada found the {a} by the", "choices": [b, c, a][i % 3:] + [b, c, a][:i % 3],
-                                "label": (2 - i % 3) % 3}) + "\n")
-    path = root / "mc.yaml"
-    path.write_text(f"""task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {root / 'mc.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{q}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-""")
-    return path
-
-
-def _rolling_task(root: Path) -> Path:
-    """Perplexity of whole texts longer than the model's 256-token context (several rolling windows each)."""
-    with open(root / "roll.jsonl", "w") as f:
-        for i in range(4):
-            f.write(json.dumps({"text": " ".join(f"The {WORDS[(i + j) % 7]} and the {WORDS[j % 7]}." for j in
-                                                 range(12 + 6 * i))}) + "\n")
-    path = root / "roll.yaml"
-    path.write_text(f"""task: tiny_roll
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {root / 'roll.jsonl'}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-""")
-    return path
-
-
-def _gen_task(root: Path, until: str) -> Path:
-    with open(root / "gen.jsonl", "w") as f:
-        for i in range(6):
-            f.write(json.dumps({"q": f"The {WORDS[i]} and the", "a": WORDS[i + 1]}) + "\n")
-    path = root / "gen.yaml"
-    path.write_text(f"""task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {root / 'gen.jsonl'}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{q}}}}"
-doc_to_target: "{{{{a}}}}"
-generation_kwargs:
-  until: [{json.dumps(until)}]
-  max_gen_toks: 24
-  do_sample: false
-metric_list:
-  - metric: exact_match
-""")
-    return path
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("eval_tasks")
     Trainer(load_config(None, [*TRAIN, "eval.every=0"]), run_dir=root / "run").fit()
-    _mc_task(root)
-    _rolling_task(root)
+    mc_task(root)
+    rolling_task(root)
     return root
 
 
@@ -177,7 +104,7 @@ def test_generate_until_outputs_equal_crosstrain_generate(work: Path, capsys: py
     # the stop string: a later word of the first prompt's greedy text, so that output is cut and others may not be
     first = _generated(work, capsys, f"The {WORDS[0]} and the").split()
     until = " " + next(w for w in first[1:] if w != first[0])
-    ours = _ours(work, capsys, _gen_task(work, until), "--limit", "4")
+    ours = _ours(work, capsys, gen_task(work, until), "--limit", "4")
     samples = sorted(ours["samples"]["tiny_gen"], key=lambda s: s["doc_id"])
     assert len(samples) == 4 and "tiny_gen/exact_match" in ours["scores"]
     cut = 0

@@ -8,8 +8,12 @@
 - ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`` with exactly
   ``top_logprobs`` alternatives.
 
-The tokens listed are the ones whose text the reply holds: a stop token is not part of the text, and a stop
-string cuts the list after the token that completes the text before it.
+The tokens listed are the ones whose text the reply holds, and a stop string cuts the list after the token that
+completes the text before it. A stop token (EOS) is not part of the text: chat's list leaves it out, completions'
+ends with it, so ``echo`` with ``max_tokens`` n lists the prompt's tokens plus the n generated whatever they are.
+lm-eval's ``local-completions`` relies on that: it scores a continuation by sending it with ``echo`` and
+``max_tokens`` 1 and reading every entry but the last, so an EOS left out would silently drop the continuation's
+last token from its score.
 """
 
 from __future__ import annotations
@@ -21,22 +25,26 @@ from crosstrain.generation.logprobs import Alternatives
 from crosstrain.plugins.serve.requests import Job
 
 
-def reply_tokens(job: Job) -> tuple[list[int], list[float], list[Alternatives]]:
-    """The generated tokens that make up ``job.text``, their log-probs and alternatives."""
+def reply_tokens(job: Job, stop_token: bool = False) -> tuple[list[int], list[float], list[Alternatives]]:
+    """The generated tokens that make up ``job.text``, their log-probs and alternatives; with ``stop_token``, also
+    the stop token that ended the reply."""
     seq = job.seq
     if seq is None:
         return [], [], []
     tokens = list(seq.tokens)
-    n = len(tokens) - (1 if tokens and tokens[-1] in seq.config.stop_tokens else 0)
+    stopped = bool(tokens) and tokens[-1] in seq.config.stop_tokens
+    n = len(tokens) - stopped
     if job.decode(tokens[:n]) != job.text:  # a stop string cut the text: keep the tokens that reach its end
         while n > 0 and job.decode(tokens[:n - 1]).startswith(job.text):
             n -= 1
+    elif stopped and stop_token:
+        n += 1
     return tokens[:n], seq.logprobs[:n], seq.top[:n]
 
 
 def completion_logprobs(job: Job, echo: bool) -> dict[str, Any]:
     seq = job.seq
-    tokens, logprobs, tops = reply_tokens(job)
+    tokens, logprobs, tops = reply_tokens(job, stop_token=True)
     chosen: list[float | None] = list(logprobs)
     alternatives: list[Alternatives | None] = list(tops)
     if echo and seq is not None:
