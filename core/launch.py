@@ -62,11 +62,12 @@ def torchrun_args(worker_args: Sequence[str], *, nproc: int, max_restarts: int =
 
 
 def launch(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nnodes: str = "1",
-           rdzv_endpoint: str | None = None, run_dir: str | None = None) -> int:
+           rdzv_endpoint: str | None = None, run_dir: str | None = None, resume: str | None = None) -> int:
     """Run the elastic agent in this process until the workers finish; returns 0 or raises LaunchError.
 
     On SIGTERM the agent forwards the signal to the workers (which finish their step, save and exit) and
-    waits for them; if ``run_dir``'s summary then says the run was preempted, this returns 0.
+    waits for them; if ``run_dir``'s summary then says the run was preempted, this prints ``resume`` (the
+    command that resumes) and returns 0.
     """
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
         raise ConfigError("--nproc cannot be used inside a torchrun worker; drop --nproc or torchrun")
@@ -77,10 +78,11 @@ def launch(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nno
         args = get_args_parser().parse_args(torchrun_args(worker_args, nproc=nproc, max_restarts=max_restarts,
                                                           nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                                           log_dir=log_dir))
-        return _run(run, args, max_restarts=max_restarts, run_dir=run_dir)
+        return _run(run, args, max_restarts=max_restarts, run_dir=run_dir, resume=resume)
 
 
-def _run(run: Callable[[Any], Any], args: Any, *, max_restarts: int, run_dir: str | None) -> int:
+def _run(run: Callable[[Any], Any], args: Any, *, max_restarts: int, run_dir: str | None,
+         resume: str | None = None) -> int:
     """torchrun's ``run(args)``, its failures turned into :class:`LaunchError` (or 0 for a preempted job)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -90,7 +92,8 @@ def _run(run: Callable[[Any], Any], args: Any, *, max_restarts: int, run_dir: st
     except SignalException as exc:
         if run_dir and _preempted(Path(run_dir)):
             print(f"crosstrain: launcher got {signal.Signals(exc.sigval).name}; the workers saved a checkpoint "
-                  f"in {run_dir} and stopped. Resume with the same command and --run-dir {run_dir}", file=sys.stderr)
+                  f"in {run_dir} and stopped. Resume with: {resume or f'the same command and --run-dir {run_dir}'}",
+                  file=sys.stderr)
             return 0
         raise LaunchError(f"launcher got {signal.Signals(exc.sigval).name} and the workers did not finish cleanly",
                           128 + int(exc.sigval)) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -95,6 +96,10 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path, capsys) -> None:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "SIGTERM received; finished step" in err and "the workers saved a checkpoint" in err
+    # rank 0 and the launcher name the command that resumes: the one typed, --nproc included, plus --run-dir
+    typed = ["train", "--nproc", "2", *_sets(opts), *_sets(["parallel.dp_replicate=2"])]
+    hint = f"Resume with: {shlex.join(['crosstrain', *typed, '--run-dir', str(run_dir)])}"
+    assert [line.endswith(hint) for line in err.splitlines()].count(True) == 2, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     stopped = summary["steps"]
     assert summary["preempted"] is True and summary["world_size"] == 2 and stopped >= 3

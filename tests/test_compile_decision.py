@@ -70,3 +70,24 @@ def test_50_step_run_with_a_warm_record_stays_eager_and_says_why(tmp_path: Path,
     assert written["defaults"]["compile"]["enabled"] is False
     assert "vs compile 5.0 s (measured)" in written["defaults"]["compile"]["reason"]
     assert second["compile_saving_s"] < second["compile_estimate_s"]
+
+
+def test_a_resumed_run_weighs_the_steps_left_not_train_steps(tmp_path: Path, monkeypatch) -> None:
+    """Resumed at step 150 of 200, a run weighs 50 steps: with a record where compiling pays after 100 steps (cost
+    100 eager steps, saving a whole eager step each), the resumed run stays eager, though a fresh 200-step run on
+    the same record compiles."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    run = tmp_path / "run"
+    sets = [*TINY, f"train.output_dir={tmp_path}", "checkpoint.every=0"]
+    Trainer(load_config(None, [*sets, "train.steps=150"]), run_dir=run).fit()  # its final checkpoint: step 150
+    (record_file,) = (tmp_path / "cache" / "crosstrain" / "compile").glob("*.json")
+    eager = json.loads(record_file.read_text())["eager_step_s"]
+    fast_defaults.write_record(record_file.stem, compile_s=100 * eager, compiled_step_s=0.0)
+    assert fast_defaults.decide_compile("auto", ParallelDims(), True, 200, 0.0, record_file.stem).enabled
+    resumed = Trainer(load_config(None, [*sets, "train.steps=200"]), run_dir=run).fit()
+    assert resumed["steps_this_run"] == 50
+    assert resumed["compile_decision"] == "eager" and resumed["compile_s"] == 0.0
+    assert resumed["compile_estimate_s"] == pytest.approx(100 * eager)
+    assert resumed["compile_saving_s"] == pytest.approx(50 * eager)
+    assert "(50 steps x" in resumed["defaults"]["compile"]["reason"]

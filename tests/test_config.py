@@ -13,7 +13,7 @@ from crosstrain.errors import ConfigError
 def test_defaults_are_the_no_argument_run() -> None:
     c = load_config(None, [])
     assert c.model.preset == "tiny" and c.data.path == "" and c.backend == "auto"
-    assert c.checkpoint.every == 0 and c.checkpoint.async_save is False
+    assert c.checkpoint.every == 100 and c.checkpoint.every_minutes == 10.0 and c.checkpoint.async_save is False
     assert c.parallel.dp_shard == -1 and c.precision.dtype == "fp32"
 
 
@@ -54,7 +54,7 @@ def test_effective_config_round_trips(tmp_path) -> None:
         (["model.n_heads=3"], "model.dim=64 must be divisible by model.n_heads=3"),
         (["parallel.activation_checkpoint=some"], "'parallel.activation_checkpoint'"),
         (["checkpoint.asyn=true"],
-         "allowed keys in [checkpoint]: every, keep_last, keep_every, keep_best, async, final, resume"),
+         "allowed keys in [checkpoint]: every, every_minutes, keep_last, keep_every, keep_best, async, final, resume"),
         (["data.path=/nonexistent/x.bin"], "data.path '/nonexistent/x.bin' does not exist"),
         (["model.import_path=nocolon"], "must look like 'package.module:name'"),
         (["optim.lr"], "must look like section.key=value"),

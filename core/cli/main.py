@@ -77,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser(args_list)
     args = parser.parse_args(args_list)
+    args.cli_argv = args_list  # what a command that stops early names in its resume hint (crosstrain train)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -117,8 +117,9 @@ class ParallelConfig(Section):
                                        description='recompute activations in the backward pass: "none", "full" '
                                        '(every block) or "every:N" (every Nth block)')
     compile: Literal["auto"] | bool = Field(default="auto", description='"auto": compile when the saving over '
-                                            "the run's steps (recorded per model shape + layout, else estimated) "
-                                            "exceeds the compile time (recorded, else a cold ~40 s), never on a layout "
+                                            "the steps left (train.steps minus a resumed checkpoint's step; "
+                                            "recorded per model shape + layout, else estimated) exceeds the "
+                                            "compile time (recorded, else a cold ~40 s), never on a layout "
                                             "that does not compile (tp > 1), not by itself with pp/ep > 1; "
                                             "true / false force it")
     layout: Literal["auto", "ddp", "fsdp"] = Field(default="auto", description="with parallel.dp_shard=-1: "
@@ -134,7 +135,10 @@ class PrecisionConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(default=0, ge=0, description="save every N steps (0 = off)")
+    # on with eval.every's 100, so checkpoint.keep_best adds no evaluations; the clock covers runs of slow steps
+    every: int = Field(default=100, ge=0, description="save every N steps (0 = off)")
+    every_minutes: float = Field(default=10.0, ge=0, description="also save when this many minutes passed since "
+                                 "the last save, by rank 0's clock (0 = off), so a crash loses at most that")
     keep_last: int = Field(default=3, ge=1, description="checkpoints kept, newest first (older ones are deleted)")
     keep_every: int = Field(default=0, ge=0, description="also keep every checkpoint whose step is a multiple of N "
                                                          "(0 = off)")

@@ -6,6 +6,7 @@ saves, retention); this module decides what goes in (:func:`checkpoint_state`) a
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,31 @@ def checkpoint_state(run: Run, counters: Counters, rng: Any) -> dict[str, Any]:
     return state
 
 
+def steps_done(config: Any, run_dir: str | os.PathLike[str] | None) -> int:
+    """The step a run will resume from, read before it is built (no checksum checked, no collective): the
+    newest ``step_N`` that ``checkpoint.resume`` names (``auto``: in ``run_dir``, else ``$CROSSTRAIN_RUN_DIR``);
+    0 for a fresh run. ``parallel.compile=auto`` weighs the steps left, not ``train.steps``."""
+    from crosstrain.checkpoint.manager import step_dirs, step_number
+    from crosstrain.engine.state import ENV_RUN_DIR
+
+    resume = config.checkpoint.resume
+    if resume == "never":
+        return 0
+    if resume == "auto":
+        chosen = run_dir or os.environ.get(ENV_RUN_DIR)
+        if not chosen:
+            return 0
+        folder = Path(chosen) / "checkpoints"
+    else:
+        path = Path(resume)
+        named = step_number(path.name)
+        if named is not None:
+            return named
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = step_dirs(folder)
+    return found[0][0] if found else 0
+
+
 class Checkpoints:
     """The run dir's ``checkpoints/``: resume, save and roll back, each with the run's current state."""
 
@@ -71,6 +97,13 @@ class Checkpoints:
         self.stage_later = tuple(m.checkpoint_key(m is run.primary) for m in run.trainable) if defer else ()
         self._protected = False
         self.rollbacks_this_run = 0
+        self._last_save = time.monotonic()  # checkpoint.every_minutes counts from setup, then from each save
+
+    def time_due(self) -> bool:
+        """Whether ``checkpoint.every_minutes`` passed on this rank's clock since the last save (or setup); the
+        ranks act on rank 0's answer (:class:`crosstrain.engine.preemption.StopVote`)."""
+        minutes = self.run.config.checkpoint.every_minutes
+        return minutes > 0 and time.monotonic() - self._last_save >= minutes * 60.0
 
     def state(self) -> dict[str, Any]:
         return checkpoint_state(self.run, self.counters, self.rng)
@@ -111,6 +144,7 @@ class Checkpoints:
             stage_later=self.stage_later,  # waits for the last
             best=best and cfg.keep_best,
         )
+        self._last_save = time.monotonic()
         # duration_s: how long the loop was held (an async save writes on after it)
         self.emit(step, "checkpoint", {"committed": not cfg.async_save, "duration_s": time.perf_counter() - t0})
 

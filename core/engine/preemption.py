@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,8 +46,26 @@ class PreemptionWatcher:
             self._installed = False
 
 
+@dataclass
+class _Vote:
+    """One step's vote: the flags being all-reduced (None in one process) and the pending work."""
+
+    flags: torch.Tensor | None
+    work: Any
+    local_save: bool
+
+    def wait(self) -> list[float]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        assert self.flags is not None
+        return self.flags.tolist()
+
+
 class StopVote:
-    """Whether any rank asked to stop: a one-element async all-reduce (max) that overlaps a training step.
+    """Whether any rank asked to stop, and whether rank 0's clock says a timed checkpoint is due: a two-element
+    async all-reduce (max) that overlaps a training step. Only rank 0 votes for the save, so every rank saves
+    after the same step whatever its own clock says (``checkpoint.every_minutes``).
 
     Multi-process runs vote every ``every`` steps, about every :data:`PREEMPT_CHECK_S` seconds once rank 0's
     median step time is known (after :data:`VOTE_CALIBRATION_STEPS` steps).
@@ -57,27 +76,35 @@ class StopVote:
         self.comm_device = torch.device("cpu") if device.type == "cpu" else device
         self.every = 1
 
-    def start(self, index: int, step_times: list[float]) -> Any:
-        """Start this step's vote (``index``: steps run so far in this process); None/False: no collective."""
+    def start(self, index: int, step_times: list[float], save_due: bool = False) -> _Vote | None:
+        """Start this step's vote (``index``: steps run so far in this process; ``save_due``: this rank's clock
+        says a timed checkpoint is due, heard from rank 0 only); None: no vote this step."""
         if self.collective.world_size == 1:
-            return None
+            return _Vote(None, None, save_due)
         if index == VOTE_CALIBRATION_STEPS:
             self._calibrate(step_times[1:])
         if index % self.every:
-            return False
-        flag = torch.tensor([1.0 if self.watcher.requested else 0.0], device=self.comm_device)
-        return flag, self.collective.all_reduce(flag, op="max", async_op=True)
+            return None
+        save = save_due and self.collective.rank == 0
+        flags = torch.tensor([float(self.watcher.requested), float(save)], device=self.comm_device)
+        return _Vote(flags, self.collective.all_reduce(flags, op="max", async_op=True), save)
 
-    def finish(self, vote: Any) -> bool:
-        """True when this rank (single process) or any rank (a vote this step) asked to stop."""
+    def save_due(self, vote: _Vote | None) -> bool:
+        """Whether rank 0's clock called a timed checkpoint this step: the same answer on every rank."""
         if vote is None:
-            return self.watcher.requested
-        if vote is False:
             return False
-        flag, work = vote
-        if work is not None:
-            work.wait()
-        return bool(flag.item() > 0)
+        if vote.flags is None:  # one process: its own clock
+            return vote.local_save
+        return bool(vote.wait()[1] > 0)
+
+    def finish(self, vote: _Vote | None) -> bool:
+        """True when this rank (single process: a signal or a stop request until now) or any rank (a vote this
+        step) asked to stop."""
+        if vote is None:
+            return False
+        if vote.flags is None:
+            return self.watcher.requested
+        return bool(vote.wait()[0] > 0)
 
     def _calibrate(self, step_times: list[float]) -> None:
         """Once, on every rank at the same step: rank 0's median step time decides the voting interval."""

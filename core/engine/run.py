@@ -165,12 +165,13 @@ def _run_undo(undo: list[Callable[[], None]]) -> None:
         raise failed[0]
 
 
-def build_run(config: Config, recipe: Recipe | None = None, for_eval: bool = False) -> Run:
+def build_run(config: Config, recipe: Recipe | None = None, for_eval: bool = False, start_step: int = 0) -> Run:
     """Build the run ``config`` describes (all ranks call it together); nothing is written to disk.
 
     ``recipe``: an instance to train (e.g. the federated client's); None resolves ``train.recipe`` by name.
     ``for_eval``: for ``crosstrain eval``: the held-out data is built whatever ``eval.every`` says, nothing is
     compiled under ``parallel.compile = "auto"`` and trainable models get no optimizer.
+    ``start_step``: the step a resumed run starts from (``parallel.compile = "auto"`` weighs the steps left).
     """
     cfg = config
     backend = registry.set_active_backend(None if cfg.backend == "auto" else cfg.backend)
@@ -184,7 +185,7 @@ def build_run(config: Config, recipe: Recipe | None = None, for_eval: bool = Fal
     recipe.validate(cfg)
     undo: list[Callable[[], None]] = []
     try:
-        return _build(cfg, recipe, backend, device_api, env, dims, for_eval, undo)
+        return _build(cfg, recipe, backend, device_api, env, dims, for_eval, undo, start_step)
     except BaseException:
         with contextlib.suppress(Exception):  # the build's own error is the one to report
             _run_undo(undo)
@@ -206,6 +207,7 @@ def _build(
     dims: ParallelDims,
     for_eval: bool,
     undo: list[Callable[[], None]],
+    start_step: int = 0,
 ) -> Run:
     from crosstrain.kernels import registry as kernel_registry
     from crosstrain.parallel import build_mesh, dp_rank_and_size
@@ -234,7 +236,7 @@ def _build(
         device=device,
         backend=backend.name,
     )
-    models, choice = _build_models(cfg, recipe, context, backend, device_api, for_eval, undo)
+    models, choice = _build_models(cfg, recipe, context, backend, device_api, for_eval, undo, start_step)
     flops_per_token, mfu_flops = count_flops(  # every model's FLOPs, frozen ones forward only
         ((n, m.module, m.trainable) for n, m in models.items()), cfg.train.seq_len
     )
@@ -298,6 +300,7 @@ def _build_models(
     device_api: Any,
     for_eval: bool,
     undo: list[Callable[[], None]],
+    start_step: int = 0,
 ) -> tuple[dict[str, TrainedModel], fast_defaults.CompileChoice]:
     """The recipe's models, transformed by plugins, parallelised, with an optimizer each if trainable."""
     from crosstrain.parallel import parallelize
@@ -309,7 +312,8 @@ def _build_models(
     _set_threads(cfg.train.threads, list(built.values()), undo)
     trainable_built = [built[n] for n, spec in specs.items() if spec.trainable]
     choice = decide_compile(
-        cfg, dims, device_api, context.world_size, trainable_built[0] if trainable_built else None, for_eval
+        cfg, dims, device_api, context.world_size, trainable_built[0] if trainable_built else None, for_eval,
+        start_step,
     )
     models: dict[str, TrainedModel] = {}
     for name, spec in specs.items():
@@ -347,9 +351,11 @@ def _set_threads(threads: int, models: list[torch.nn.Module], undo: list[Callabl
 
 
 def decide_compile(
-    cfg: Config, dims: ParallelDims, device_api: Any, world_size: int, module: torch.nn.Module | None, for_eval: bool
+    cfg: Config, dims: ParallelDims, device_api: Any, world_size: int, module: torch.nn.Module | None, for_eval: bool,
+    start_step: int = 0,
 ) -> fast_defaults.CompileChoice:
-    """``parallel.compile`` resolved for the primary model (see :mod:`crosstrain.engine.fast_defaults`)."""
+    """``parallel.compile`` resolved for the primary model (see :mod:`crosstrain.engine.fast_defaults`) over the
+    steps left after ``start_step`` (a resumed run amortises a compile over what it still trains)."""
     from crosstrain.parallel.plan import find_plan
 
     requested = cfg.parallel.compile
@@ -365,7 +371,8 @@ def decide_compile(
         work = training_flops_per_token(module, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
         est_step_s = work / world_size / (peak * fast_defaults.EAGER_MFU) if peak > 0 else 0.0
     choice = fast_defaults.decide_compile(
-        requested, dims, find_plan(module, "ac_units") is not None, cfg.train.steps, est_step_s, key
+        requested, dims, find_plan(module, "ac_units") is not None, max(cfg.train.steps - start_step, 0),
+        est_step_s, key,
     )
     if choice.enabled:
         fast_defaults.enable_compile_caches()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from crosstrain import pluginmanager
 from crosstrain.config import Config, save_config
-from crosstrain.engine.checkpointing import Checkpoints, TrainingError
+from crosstrain.engine.checkpointing import Checkpoints, TrainingError, steps_done
 from crosstrain.engine.context import RunContext
 from crosstrain.engine.counters import Counters
 from crosstrain.engine.events import Events
@@ -32,6 +33,7 @@ from crosstrain.engine.models import TrainedModel
 from crosstrain.engine.preemption import PreemptionWatcher, StopVote
 from crosstrain.engine.ranks import RankMetrics
 from crosstrain.engine.recipe import Recipe
+from crosstrain.engine.resume_hint import resume_command
 from crosstrain.engine.run import Run, build_run
 from crosstrain.engine.state import agree_run_dir
 from crosstrain.engine.summary import LoopRecord, build_summary, defaults_report, describe_defaults, write_summary
@@ -47,11 +49,15 @@ class Trainer:
 
     ``recipe``: a recipe instance to train (e.g. the federated client's); None resolves ``train.recipe``.
     Hooks receive :attr:`context`, a :class:`~crosstrain.engine.context.RunContext`, never the Trainer.
+    ``resume_argv``: the ``crosstrain`` arguments that started the run, named in the resume hint
+    (:func:`~crosstrain.engine.resume_hint.resume_command`); None names the run's config.toml instead.
     """
 
-    def __init__(self, config: Config, run_dir: str | Path | None = None, recipe: Recipe | None = None) -> None:
+    def __init__(self, config: Config, run_dir: str | Path | None = None, recipe: Recipe | None = None,
+                 resume_argv: Sequence[str] | None = None) -> None:
         self.config = config
         self.requested_run_dir = run_dir
+        self.resume_argv = resume_argv
         self._given_recipe = recipe
         self.run: Run | None = None
         self.run_dir: Path | None = None
@@ -123,7 +129,7 @@ class Trainer:
             source_kind(resume, what="checkpoint.resume", accept=CHECKPOINT)
         if self.requested_run_dir is not None and Path(self.requested_run_dir).is_file():
             raise ConfigError(f"--run-dir {str(self.requested_run_dir)!r} is a file; pass a directory")
-        run = self.run = build_run(cfg, self._given_recipe)
+        run = self.run = build_run(cfg, self._given_recipe, start_step=steps_done(cfg, self.requested_run_dir))
         events = self.events = Events(run.is_main)
         run.context.attach(lambda: self.counters.step, events.emit, self._request_stop)
         self.run_dir = agree_run_dir(run.collective, self.requested_run_dir, cfg.train.output_dir)
@@ -177,11 +183,10 @@ class Trainer:
                 if self._run_lock is not None:
                     self._run_lock.release()  # last: an in-flight save still writes into the run dir
 
-    def _eval_due(self, step: int) -> bool:
+    def _eval_due(self, step: int, saving: bool) -> bool:
         cfg = self.config
         if self.built.eval is None or not cfg.eval.every:
             return False
-        saving = bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0
         return step % cfg.eval.every == 0 or step == cfg.train.steps or (cfg.checkpoint.keep_best and saving)
 
     def _fit(self, start: float) -> dict[str, Any]:
@@ -207,9 +212,10 @@ class Trainer:
             record.eval_before = run.evaluate()
             eval_time += record.eval_before.get("time_eval_s", 0.0)
         while counters.step < cfg.train.steps:
-            vote = stop_vote.start(counters.step - first_step, record.step_times)
+            vote = stop_vote.start(counters.step - first_step, record.step_times, checkpoints.time_due())
             metrics = self.train_step()
             step = counters.step
+            saving = stop_vote.save_due(vote) or bool(every and step % every == 0)  # the same on every rank
             if step == 1 or not math.isfinite(counters.initial_loss):
                 if math.isfinite(metrics["loss"]):
                     counters.initial_loss = metrics["loss"]
@@ -220,7 +226,7 @@ class Trainer:
             else:
                 consecutive = 0
             best = False
-            if self._eval_due(step):
+            if self._eval_due(step, saving):
                 results = run.evaluate()
                 metrics.update(results)
                 eval_time += results.get("time_eval_s", 0.0)
@@ -240,7 +246,7 @@ class Trainer:
             if self.hang_watchdog is not None:
                 self.hang_watchdog.beat(step)
             events.write(step, metrics)
-            if every and step % every == 0 and not consecutive:  # never a checkpoint of a diverging model
+            if saving and not consecutive:  # never a checkpoint of a diverging model
                 checkpoints.save(step, best=best)
                 last_saved = step
             checkpoints.manager.start_check()  # finished by check_background() in the next step, without waiting
@@ -274,7 +280,7 @@ class Trainer:
         if record.preempted:
             events.log(
                 f"crosstrain: {signal} received; finished step {step}, saved a checkpoint in "
-                f"{self.run_dir}/checkpoints; exiting. Resume with: crosstrain train ... --run-dir {self.run_dir}"
+                f"{self.run_dir}/checkpoints; exiting. Resume with: {self.resume_command()}"
             )
         losses = record.losses
         if consecutive or (losses and not math.isfinite(losses[-1])):  # never "done" on a diverged run
@@ -290,6 +296,10 @@ class Trainer:
             self.rank_metrics.close()  # every rank's last records are written (full_state_dict synchronised)
         events.close()
         return self.summary
+
+    def resume_command(self) -> str:
+        """The shell command that resumes this run (``--run-dir`` set to its dir)."""
+        return resume_command(self.resume_argv, self.run_dir or self.requested_run_dir or "RUN_DIR")
 
     def _already_complete(self) -> dict[str, Any]:
         """Nothing to train (the newest checkpoint reached ``train.steps``): say so; summary.json stays as it was."""

@@ -147,7 +147,7 @@ def run_client(config: Any, run_dir: Path, client: FLClient) -> dict[str, Any]:
     cfg.train.recipe = RECIPE
     cfg.train.steps = fl.rounds * fl.local_steps  # the LR schedule spans every round
     cfg.eval.every = 0
-    cfg.checkpoint.every = 0
+    cfg.checkpoint.every = cfg.checkpoint.every_minutes = 0
     cfg.checkpoint.final = False  # the server checkpoints the global model; a client keeps nothing
     cfg.checkpoint.resume = "never"
     run_dir.mkdir(parents=True, exist_ok=True)

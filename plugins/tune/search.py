@@ -90,7 +90,8 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
 
     make_sampler(settings, params)  # a grid over a continuous range, a missing cmaes: refused before anything exists
     sets = list(sets)
-    if not base.checkpoint.every:  # a trial killed with its tuner resumes from its last evaluation
+    # a trial killed with its tuner resumes from its last evaluation, unless checkpoint.every was set on purpose
+    if not base.checkpoint.every or "every" not in base.checkpoint.model_fields_set:
         sets.append(f"checkpoint.every={base.eval.every or max(1, base.train.steps // 4)}")
     out_dir = Path(out) if out else Path(base.train.output_dir) / "tune"
     if out_dir.is_file():

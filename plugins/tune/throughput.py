@@ -20,7 +20,8 @@ from crosstrain.plugins.tune.space import as_set
 from crosstrain.plugins.tune.trial import TrialCommand, read_summary
 
 STEPS = 10
-SHORT = ("eval.every=0", "checkpoint.every=0", "checkpoint.final=false", "logging.tensorboard=false")
+SHORT = ("eval.every=0", "checkpoint.every=0", "checkpoint.every_minutes=0", "checkpoint.final=false",
+         "logging.tensorboard=false")
 
 
 def knobs(base: Any, nproc: int | None) -> dict[str, list[Any]]:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports nothing heavy until a command runs
+    from crosstrain.engine import Trainer
 
 
 def _worker_args(args: argparse.Namespace, run_dir: str) -> list[str]:
@@ -48,26 +52,82 @@ def _check_launch(args: argparse.Namespace) -> int:
     return int(parts[-1])
 
 
+def _resume_argv(args: argparse.Namespace) -> list[str] | None:
+    """The arguments the resume hint repeats: the launcher's (a worker of ``--nproc``), else this command's
+    (None when ``run`` was called without :func:`crosstrain.cli.main.main`: the hint names the run's config)."""
+    import json
+    import os
+
+    from crosstrain.engine.resume_hint import ENV_RESUME_ARGV
+
+    handed = os.environ.get(ENV_RESUME_ARGV)
+    if handed and "RANK" in os.environ:  # only a launched worker takes it: a stale export elsewhere is ignored
+        return list(json.loads(handed))
+    argv = getattr(args, "cli_argv", None)
+    return None if argv is None else list(argv)
+
+
+def _launch(args: argparse.Namespace, run_dir: str, argv: list[str] | None) -> int:
+    """Start the ``--nproc`` workers, handing them ``argv`` for their resume hint."""
+    import json
+    import os
+
+    from crosstrain.engine.resume_hint import ENV_RESUME_ARGV, resume_command
+    from crosstrain.launch import launch
+
+    previous = os.environ.get(ENV_RESUME_ARGV)
+    if argv is not None:
+        os.environ[ENV_RESUME_ARGV] = json.dumps(argv)
+    try:
+        return launch(_worker_args(args, run_dir), nproc=args.nproc, max_restarts=args.max_restarts,
+                      nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint, run_dir=run_dir,
+                      resume=resume_command(argv, run_dir))
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_RESUME_ARGV, None)
+        else:
+            os.environ[ENV_RESUME_ARGV] = previous
+
+
+def _crash_hint(trainer: Trainer) -> None:
+    """After a crash (not a crosstrain error) of a run that left checkpoints: the command that resumes it (rank 0
+    only)."""
+    from crosstrain.checkpoint.manager import step_dirs
+
+    if trainer.run_dir is None or trainer.run is None or not trainer.is_main:
+        return
+    found = step_dirs(trainer.run_dir / "checkpoints")
+    if found:
+        print(f"crosstrain: the run stopped with an error; its newest checkpoint is step {found[0][0]}. Resume "
+              f"with: {trainer.resume_command()}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from crosstrain.config import load_config
 
     config = load_config(args.config, _overrides(args))
+    argv = _resume_argv(args)
     if args.nproc is not None:
         from crosstrain.config import check_world
         from crosstrain.engine.recipe import resolve_recipe
         from crosstrain.engine.state import new_run_dir
-        from crosstrain.launch import launch
 
         nnodes = _check_launch(args)
         check_world(config, args.nproc * nnodes)  # fail fast, before any worker starts or file is written
         resolve_recipe(config.train.recipe)
         run_dir = args.run_dir or str(new_run_dir(config.train.output_dir))
-        return launch(_worker_args(args, run_dir), nproc=args.nproc, max_restarts=args.max_restarts,
-                      nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint, run_dir=run_dir)
+        return _launch(args, run_dir, argv)
     from crosstrain.engine import Trainer
+    from crosstrain.errors import CrosstrainError
 
-    trainer = Trainer(config, run_dir=args.run_dir)
-    summary = trainer.fit()
+    trainer = Trainer(config, run_dir=args.run_dir, resume_argv=argv)
+    try:
+        summary = trainer.fit()
+    except CrosstrainError:
+        raise  # one line that names the fix already (a rejected resume must not suggest resuming)
+    except (Exception, KeyboardInterrupt):
+        _crash_hint(trainer)
+        raise
     if summary and trainer.is_main and not summary.get("already_complete"):  # that case said so itself
         print(f"crosstrain: {'stopped' if summary['preempted'] else 'done'}: {summary['steps']} steps on "
               f"{summary['backend']} x{summary['world_size']}, loss {summary['initial_loss']:.4f} -> "
