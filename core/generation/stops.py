@@ -41,7 +41,10 @@ def generation_config_eos(folder: str | os.PathLike[str]) -> tuple[int, ...]:
     return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool))
 
 
-def _chat_template(folder: Path) -> str:
+def chat_template(folder: str | os.PathLike[str]) -> str:
+    """The chat template of a tokenizer folder (``chat_template.jinja``, else ``tokenizer_config.json``'s); ""
+    without one."""
+    folder = Path(folder)
     template = folder / "chat_template.jinja"
     if template.is_file():
         return template.read_text()
@@ -55,7 +58,7 @@ def end_of_turn_tokens(folder: str | os.PathLike[str]) -> tuple[int, ...]:
     """Ids of the special tokens of ``folder/tokenizer.json`` named in :data:`END_OF_TURN` that its chat template
     emits (none without a template)."""
     folder = Path(folder)
-    template = _chat_template(folder)
+    template = chat_template(folder)
     if not template:
         return ()
     added = _json(folder / "tokenizer.json").get("added_tokens", [])
