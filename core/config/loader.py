@@ -115,6 +115,9 @@ def config_from_dict(raw: dict[str, Any], sections: dict[str, type[BaseModel]] |
             raise ConfigError(_format_error(exc, prefix=name, model=model)) from None
     config.plugins = plugins
     if checks:
+        from crosstrain.models.init_chain import inherit_tokenizer
+
+        inherit_tokenizer(config)  # before the checks, which size the vocabulary by it
         check_static(config)
     return config
 

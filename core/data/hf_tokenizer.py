@@ -19,8 +19,10 @@ import numpy as np
 from crosstrain.data.tokenizer import ByteTokenizer
 from crosstrain.errors import ConfigError
 
-#: files a tokenizer folder may hold that transformers' AutoTokenizer reads.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+#: files a tokenizer folder may hold that transformers' AutoTokenizer reads: the tokenizer, its special tokens and
+#: its chat template (transformers 5 saves it as ``chat_template.jinja``; multimodal processors as ``.json``).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def _tokenizer_json(folder: str | os.PathLike[str]) -> Path:
@@ -66,6 +68,20 @@ def _special(folder: Path, key: str) -> str | None:
             if value:
                 return str(value)
     return None
+
+
+def special_token_id(folder: str | os.PathLike[str], key: str) -> int | None:
+    """The id of the tokenizer's ``key`` token (``bos_token``, ``eos_token``, ``pad_token``) in ``folder``'s
+    tokenizer.json (added tokens, then the model's vocabulary); None when it declares none."""
+    token = _special(Path(folder), key)
+    if token is None:
+        return None
+    doc = json.loads(_tokenizer_json(folder).read_text())
+    found = next((int(t["id"]) for t in doc.get("added_tokens", []) if t.get("content") == token), None)
+    vocab = (doc.get("model") or {}).get("vocab")
+    if found is None and isinstance(vocab, dict) and token in vocab:
+        found = int(vocab[token])
+    return found
 
 
 def describe_tokenizer(spec: str) -> dict[str, Any]:

@@ -32,18 +32,61 @@ def config_from_run(config: Any) -> GPTConfig:
     if m.init_from:
         from crosstrain.checkpoint.resolve import source_kind
 
-        if source_kind(m.init_from, what="model.init_from") == "hf":  # else crosstrain weights: shape from model.*
+        if source_kind(m.init_from, what="model.init_from") == "hf":
             return _pretrained_config(config)
-    base = PRESETS[m.preset].to_dict()
-    if config.data.tokenizer:  # the vocabulary follows the tokenizer unless model.vocab_size says otherwise
+        from crosstrain.models.init_chain import init_origin
+
+        origin = init_origin(m.init_from)  # crosstrain weights: the shape of the run that saved them
+        if origin is not None and not origin.model.get("import_path"):
+            return _chained_config(config, origin)
+    return preset_config(m.model_dump(), config.data.tokenizer)
+
+
+def preset_config(model: dict[str, Any], tokenizer: str) -> GPTConfig:
+    """A ``model`` section's ``preset`` with its shape keys; the vocabulary follows ``tokenizer`` (a
+    ``data.tokenizer`` spec) unless ``vocab_size`` says otherwise."""
+    base = PRESETS[model.get("preset") or "tiny"].to_dict()
+    if tokenizer:
         from crosstrain.data.hf_tokenizer import describe_tokenizer
 
-        base["vocab_size"] = describe_tokenizer(config.data.tokenizer)["vocab_size"]
+        base["vocab_size"] = describe_tokenizer(tokenizer)["vocab_size"]
+    base.update({k: model[k] for k in ("vocab_size", *SHAPE_KEYS) if model.get(k) is not None})
+    return GPTConfig(**base)
+
+
+def origin_config(origin: Any) -> GPTConfig:
+    """The GPTConfig an :class:`~crosstrain.models.init_chain.Origin` states: its Hugging Face folder's
+    config.json, or its first run's ``model.*`` keys; the nearest link's ``max_seq_len``."""
+    from crosstrain.models.hf import pretrained_config
+
+    if origin.hf_folder is not None:
+        cfg = pretrained_config(origin.hf_folder)
+    else:
+        cfg = preset_config(origin.model, origin.tokenizer)
+    return dataclasses.replace(cfg, max_seq_len=int(origin.max_seq_len)) if origin.max_seq_len else cfg
+
+
+def _chained_config(config: Any, origin: Any) -> GPTConfig:
+    """``model.init_from`` = a run (or its checkpoint): that run's shape; a ``model.*`` key may repeat it (only
+    ``max_seq_len`` may change it)."""
+    m = config.model
+    cfg = origin_config(origin)
+    if m.max_seq_len:
+        cfg = dataclasses.replace(cfg, max_seq_len=m.max_seq_len)
+    effective = {**dataclasses.asdict(cfg), "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim}
     for key in ("vocab_size", *SHAPE_KEYS):
         value = getattr(m, key)
-        if value is not None:
-            base[key] = value
-    return GPTConfig(**base)
+        if key != "max_seq_len" and value is not None and value != effective.get(key, value):
+            raise ConfigError(f"model.{key}={value} does not match model.init_from {m.init_from}, whose model has "
+                              f"{shape_text(cfg)} (from {origin.describe()}); remove model.{key}")
+    return cfg
+
+
+def shape_text(cfg: GPTConfig) -> str:
+    """``vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128``: a shape for messages."""
+    shape = {"vocab_size": cfg.vocab_size, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim}
+    return ", ".join(f"{k}={v}" for k, v in shape.items())
 
 
 def _pretrained_config(config: Any) -> GPTConfig:

@@ -89,12 +89,25 @@ def load_crosstrain_weights(model: nn.Module, path: str, *, what: str = "model.i
     unexpected = sorted(set(tensors) - set(own))
     wrong = [k for k in own if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape)]
     if missing or unexpected or wrong:
-        problem = (f"shape of {wrong[0]} {tuple(tensors[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}" if wrong
-                else f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}")
-        raise ConfigError(f"{what} {source} does not fit this model ({problem}); set the model.* keys "
-                          "the source was trained with")
+        problem = (f"the source's {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, this model's "
+                   f"{tuple(own[wrong[0]].shape)}" if wrong
+                   else f"the source lacks {missing[0]}" if missing else f"the source has {unexpected[0]} too")
+        raise ConfigError(f"{what} {source} does not fit this model ({problem}); {_source_shape(path, what)}")
     for name, value in own.items():
         value.copy_(tensors[name].to(value.dtype))
+
+
+def _source_shape(path: str, what: str) -> str:
+    """What to do about a mismatch: the shape the source's run states, or which keys to set without one."""
+    from crosstrain.models.gpt_family import origin_config, shape_text
+    from crosstrain.models.init_chain import init_origin
+
+    origin = init_origin(path, what=what)
+    if origin is None or origin.model.get("import_path"):
+        return ("it has no run config.json to take the shape from, so set the model.* keys it was trained with "
+                "(or put it back in its run dir)")
+    return (f"its run's model has {shape_text(origin_config(origin))} (from {origin.describe()}); remove the "
+            "model.* keys that differ, or a plugin section that changes the model")
 
 
 def init_from_record(config: Config, model: nn.Module) -> dict[str, Any] | None:

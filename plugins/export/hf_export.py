@@ -2,8 +2,9 @@
 
 Writes ``config.json`` (``LlamaForCausalLM``, the family that computes the model's options, or the model_type of
 the folder it was imported from: ``hf_config_from_gpt``), the weights as safetensors (``model.safetensors``, or numbered
-shards + ``model.safetensors.index.json`` above ``--max-shard-size``) and the tokenizer files (the run's
-``data.tokenizer`` folder, or a generated ``tokenizer.json`` for the byte tokenizer). From a checkpoint of any
+shards + ``model.safetensors.index.json`` above ``--max-shard-size``), the tokenizer files (the run's
+``data.tokenizer`` folder with its chat template, or a generated ``tokenizer.json`` for the byte tokenizer) and
+``generation_config.json`` with the run's stop tokens (:mod:`.hf_generation`). From a checkpoint of any
 layout (FSDP/TP/PP shards) tensors are read one output shard at a time (:mod:`.stream`), so the model is never
 materialised twice. Everything is written into a temporary folder renamed into place at the end.
 """
@@ -40,6 +41,7 @@ class WeightSource:
     shapes: dict[str, tuple[int, ...]]
     load: Callable[[list[str]], dict[str, torch.Tensor]]
     base_config: dict[str, Any] | None = None
+    origin: Path | None = None  # the Hugging Face folder the model came from (its generation_config.json)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -67,18 +69,24 @@ def _checked(cfg: GPTConfig, shapes: dict[str, tuple[int, ...]], source: str,
     return cfg
 
 
-def _base_config(run_config: Path | None) -> dict[str, Any] | None:
-    """The config.json of the folder a run was initialised from (``model.init_from``), when it still exists."""
+def origin_folder(run_config: Path | None) -> Path | None:
+    """The Hugging Face folder a run was initialised from (``model.init_from``, directly or through other runs:
+    :func:`~crosstrain.models.init_chain.init_origin`), when it still exists."""
     if run_config is None or not run_config.is_file():
         return None
     init_from = (json.loads(run_config.read_text()).get("model") or {}).get("init_from")
-    from crosstrain.models.hf import is_hf_folder
+    if not init_from or not Path(init_from).exists():
+        return None
+    from crosstrain.models.init_chain import init_origin
 
-    if init_from and is_hf_folder(init_from):  # not a crosstrain run dir, whose config.json is a run config
-        from crosstrain.models.hf import read_hf_config
+    origin = init_origin(init_from)
+    return origin.hf_folder if origin is not None else None
 
-        return read_hf_config(init_from)
-    return None
+
+def _base_config(origin: Path | None) -> dict[str, Any] | None:
+    from crosstrain.models.hf import read_hf_config
+
+    return read_hf_config(origin) if origin is not None else None
 
 
 def _checkpoint_source(source: Resolved) -> WeightSource:
@@ -92,7 +100,8 @@ def _checkpoint_source(source: Resolved) -> WeightSource:
         candidates.append(run_dir / "config.json")
     shapes = tensors.shapes()
     cfg = _config_near(candidates, str(ckpt))
-    base = _base_config(run_dir / "config.json" if run_dir else None)
+    origin = origin_folder(run_dir / "config.json" if run_dir else None)
+    base = _base_config(origin)
     if set(shapes) - set(_expected(cfg)):  # e.g. LoRA adapters: the plugins' export hook needs the whole state
         from crosstrain.plugins.export.loading import load_checkpoint_dir
 
@@ -100,9 +109,9 @@ def _checkpoint_source(source: Resolved) -> WeightSource:
         state = loaded.model.state_dict()
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         return WeightSource(_checked(loaded.config, shapes, str(ckpt), loaded.model), loaded.tokenizer,
-                            loaded.source, shapes, lambda names: {n: state[n] for n in names}, base)
+                            loaded.source, shapes, lambda names: {n: state[n] for n in names}, base, origin)
     cfg = _checked(cfg, shapes, str(ckpt))
-    return WeightSource(cfg, run_tokenizer(candidates, cfg), str(ckpt), shapes, tensors.load, base)
+    return WeightSource(cfg, run_tokenizer(candidates, cfg), str(ckpt), shapes, tensors.load, base, origin)
 
 
 def open_source(path: str | os.PathLike[str], *, best: bool = False) -> WeightSource:
@@ -117,22 +126,8 @@ def open_source(path: str | os.PathLike[str], *, best: bool = False) -> WeightSo
     loaded = load_model(source)
     state = loaded.model.state_dict()
     return WeightSource(loaded.config, loaded.tokenizer, loaded.source, {k: tuple(v.shape) for k, v in state.items()},
-                        lambda names: {n: state[n] for n in names}, loaded.extra.get("hf_config"))
-
-
-def _tokenizer_files(tokenizer: dict[str, Any], cfg: GPTConfig, out: Path) -> list[str]:
-    if tokenizer.get("type") == "hf":
-        from crosstrain.data.hf_tokenizer import TOKENIZER_FILES
-
-        names = [n for n in TOKENIZER_FILES if (Path(tokenizer["path"]) / n).is_file()]
-        for name in names:
-            shutil.copyfile(Path(tokenizer["path"]) / name, out / name)
-        return names
-    if tokenizer.get("type") == "byte":
-        from crosstrain.data.byte_level import write_byte_tokenizer
-
-        return [p.name for p in write_byte_tokenizer(out, cfg.max_seq_len)]
-    return []
+                        lambda names: {n: state[n] for n in names}, loaded.extra.get("hf_config"),
+                        source.path if source.kind == "hf" else None)
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -156,6 +151,7 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     report (files, shards, bytes, model_type). ``weights`` changes the tensors read (e.g. dequantised QAT weights)."""
     from crosstrain.models.hf import adapter_for, parse_size, plan_shards, write_weights
     from crosstrain.models.hf.adapter import find_adapter
+    from crosstrain.plugins.export.hf_generation import write_generation_files
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
@@ -199,7 +195,7 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     try:
         files = [p.name for p in write_weights(tmp, shards, load)]
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        files += ["config.json", *_tokenizer_files(src.tokenizer, cfg, tmp)]
+        files += ["config.json", *write_generation_files(src.tokenizer, src.origin, cfg, tmp)]
         _replace_dir(tmp, out_path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -73,7 +73,8 @@ def export_generic(source: str | os.PathLike[str], out: Path, *, max_shard_size:
                    best: bool) -> dict[str, Any] | None:
     """Export a generic run's checkpoint with ``save_pretrained``; None when ``source`` is not one."""
     from crosstrain.models.generic.export import save_hf
-    from crosstrain.plugins.export.hf_export import DTYPES, _replace_dir, _tokenizer_files
+    from crosstrain.plugins.export.hf_export import DTYPES, _replace_dir, origin_folder
+    from crosstrain.plugins.export.hf_generation import write_generation_files
 
     resolved = resolve_path(source, best=best)
     config = generic_config(resolved)
@@ -85,7 +86,8 @@ def export_generic(source: str | os.PathLike[str], out: Path, *, max_shard_size:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         files = save_hf(loaded.model, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size)
-        files += _tokenizer_files(loaded.tokenizer, loaded.config, tmp)  # type: ignore[arg-type]
+        origin = origin_folder(resolved.run_dir / "config.json") if resolved.run_dir is not None else None
+        files = sorted({*files, *write_generation_files(loaded.tokenizer, origin, loaded.config, tmp)})
         shards = [f for f in files if f.endswith(".safetensors")]
         total = sum((tmp / f).stat().st_size for f in shards)
         _replace_dir(tmp, out)

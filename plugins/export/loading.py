@@ -54,6 +54,14 @@ def gpt_config_from_dict(data: dict[str, Any], where: str = "config") -> GPTConf
         data = data["model"]
     if data.get("init_from") and _hf_init_from(str(data["init_from"])):
         return _init_from_config(data, where)
+    if data.get("init_from") and not data.get("import_path"):
+        from crosstrain.models.gpt_family import origin_config
+        from crosstrain.models.init_chain import init_origin
+
+        origin = init_origin(str(data["init_from"]))  # another run's weights: that run's shape (and so on)
+        if origin is not None and not origin.model.get("import_path"):
+            cfg = origin_config(origin)
+            return dataclasses.replace(cfg, max_seq_len=int(data["max_seq_len"])) if data.get("max_seq_len") else cfg
     if data.get("import_path"):
         raise ExportError(f"{where}: model.import_path={data['import_path']!r} is a user model; only the built-in "
                           "GPT can be exported (export it with torch.onnx yourself)")
