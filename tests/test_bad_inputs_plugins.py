@@ -127,7 +127,7 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ("init-from-missing", _tr("lm", "model.init_from={w}/missing"), "does not exist", ""),
     ("init-from-empty-folder", _tr("lm", "model.init_from={w}/emptydir"), "model.init_from", ""),
     ("init-from-other-width", _tr("lm", "model.init_from={run}", "model.dim=96", "model.n_heads=4"),
-     "does not fit this model", ""),
+     "does not match model.init_from", ""),
     ("init-from-with-import-path", _tr("lm", "model.init_from={run}", "model.import_path=os:getcwd"),
      "cannot be combined with model.import_path", ""),
     ("init-from-hf-with-dim", _tr("lm", "model.init_from={w}/hf_garbage", "model.dim=32"),

@@ -33,8 +33,10 @@ class Origin:
 
     def describe(self) -> str:
         """``runs/sft (from hf/llama)``: the nearest run and the root, for error messages."""
-        root = str(self.hf_folder) if self.hf_folder is not None else f"{self.runs[-1]} (model.* keys)"
-        return f"{self.runs[0]} (from {root})" if self.runs and str(self.runs[0]) != root else root
+        if self.hf_folder is None:
+            root = f"{self.runs[-1]}'s model.* keys"
+            return root if len(self.runs) == 1 else f"{self.runs[0]} (from {root})"
+        return f"{self.runs[0]} (from {self.hf_folder})" if self.runs else str(self.hf_folder)
 
 
 def _run_config(run_dir: Path) -> dict[str, Any] | None:
