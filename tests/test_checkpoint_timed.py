@@ -44,7 +44,8 @@ def test_two_ranks_save_the_same_timed_steps(tmp_path: Path) -> None:
     """Saves by the clock alone (checkpoint.every=0): every checkpoint holds both ranks' files and verifies (a
     save one rank skipped would hang the collective write until fault.collective_timeout_s)."""
     run = tmp_path / "run"
-    # the default model: its steps are slow enough (tens of ms) for the vote, every ~0.5 s, to fall on several
+    # the ranks vote every step for the first 6 (then every ~0.5 s, which a fast host may not reach in 30 steps):
+    # a 3 ms interval is due at several of those votes on any host (a step of the default model takes longer)
     sets = [
         "logging.progress=none",
         "logging.tensorboard=false",
@@ -52,7 +53,7 @@ def test_two_ranks_save_the_same_timed_steps(tmp_path: Path) -> None:
         "backend=cpu",
         "train.steps=30",
         "checkpoint.every=0",
-        "checkpoint.every_minutes=0.002",
+        "checkpoint.every_minutes=0.00005",
         "checkpoint.keep_last=100",
         "parallel.dp_replicate=2",
         "fault.collective_timeout_s=60",
