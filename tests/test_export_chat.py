@@ -144,3 +144,45 @@ def test_mismatch_names_the_source_shape(chain: dict[str, Path], tmp_path: Path)
     cfg = load_config(None, ["train.recipe=dpo", rows, f"data.tokenizer={chain['hf']}", f"model.init_from={bare}"])
     raises_one_line(lambda: build(cfg), "the source's layers.0.attention.wk.weight is (32, 64), this model's (64, 64)",
                     "no run config.json", "set the model.* keys")
+
+
+def test_serve_chat_renders_the_runs_template_and_stops_at_its_end_of_turn(chain: dict[str, Path]) -> None:
+    """``/v1/chat/completions`` on the sft run (openai SDK, a real ``crosstrain serve`` process): the prompt is the
+    tokenizer's chat template with its generation prompt, the reply is what transformers' ``generate`` gives on the
+    exported folder, and it ends at <|eot_id|> with finish_reason "stop"."""
+    import re
+
+    openai = pytest.importorskip("openai")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cmd = [sys.executable, "-m", "crosstrain", "serve", str(chain["sft"]), "--port", "0", "--threads", "1",
+           "--model-name", "sft"]
+    log = chain["root"] / "serve.stderr"
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(chain["sft_hf"])
+        model = AutoModelForCausalLM.from_pretrained(chain["sft_hf"]).eval()
+        assert proc.stdout is not None
+        found = re.search(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())
+        assert found, log.read_text()[-2000:]
+        client = openai.OpenAI(base_url=f"{found.group(0)}/v1", api_key="unused", timeout=60)
+        turns = _turns(tok)
+        stopped = 0
+        for messages, _ in turns:
+            reply = client.chat.completions.create(model="sft", messages=messages, max_tokens=24, temperature=0)
+            prompt = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False, return_tensors="pt")["input_ids"]
+            assert reply.usage.prompt_tokens == prompt.shape[1]  # the template's text, BOS once
+            with torch.no_grad():
+                new = model.generate(prompt, max_new_tokens=24, do_sample=False)[0, prompt.shape[1]:].tolist()
+            assert reply.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
+            stopped += reply.choices[0].finish_reason == "stop"
+        assert stopped >= 0.9 * len(turns), f"{stopped} of {len(turns)} replies stopped"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -144,7 +144,7 @@ def _generated(run: Path, prompt: str, capsys: pytest.CaptureFixture[str]) -> st
 def test_chat_generate_until_equals_crosstrain_generate(served: dict[str, Any],
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     from crosstrain.plugins.rlhf.data import GENERATION_PROMPT, render_messages
-    from crosstrain.plugins.serve.app import CHAT_STOPS
+    from crosstrain.plugins.serve.chat import CHAT_STOPS
 
     def rendered(content: str) -> str:
         return render_messages([{"role": "user", "content": content}]) + GENERATION_PROMPT

@@ -112,7 +112,9 @@ def run_tokenizer(paths: list[Path], cfg: GPTConfig) -> dict[str, Any]:
 
                 if not (Path(spec) / "tokenizer.json").is_file():
                     return {"type": "none", "vocab_size": cfg.vocab_size, "missing": str(spec)}
-                return describe_tokenizer(str(spec))
+                # serving renders chat as the run's data was (plugins/serve/chat.py)
+                setting = str(data["data"].get("chat_template") or "auto")
+                return {**describe_tokenizer(str(spec)), "chat_template": setting}
             break
     return tokenizer_metadata(cfg)
 

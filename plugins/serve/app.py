@@ -23,10 +23,6 @@ from crosstrain.plugins.serve.requests import Job
 from crosstrain.plugins.serve.scheduler import Scheduler
 from crosstrain.plugins.serve.shutdown import InFlight
 
-#: chat replies end where the template's next ``<|role|>`` tag would begin (plugins/rlhf/data.py's template:
-#: a message is ``<|role|>\n{content}\n``), so the reply is the content without its closing newline
-CHAT_STOPS = ("\n<|", "<|")
-
 
 @dataclass
 class Served:
@@ -91,16 +87,17 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        from crosstrain.plugins.rlhf.data import GENERATION_PROMPT, RowError, render_messages
+        from crosstrain.plugins.serve.chat import render_chat
 
         body = parse(await request.body(), ChatBody, "/v1/chat/completions")
         _check_model(served, body)
-        try:
-            text = render_messages([{"role": m.role, "content": m.text()} for m in body.messages]) + GENERATION_PROMPT
-        except RowError as exc:
+        try:  # the model's own chat template when its tokenizer has one (plugins/serve/chat.py)
+            text, stops = render_chat(served.manager.current.tokenizer,
+                                      [{"role": m.role, "content": m.text()} for m in body.messages])
+        except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         prompt = _prompts(served, text)[0]
-        job = _job(served, body, prompt, (*body.stops(), *CHAT_STOPS), None)
+        job = _job(served, body, prompt, (*body.stops(), *stops), None)
         if body.stream:
             return replies.stream(served, job, body, "chat.completion.chunk")
         (text_out, finish, n), = await replies.gather(served, [job])
@@ -151,12 +148,13 @@ def _job(served: Served, body: Sampling, prompt: list[int], stops: tuple[str, ..
         raise APIError(400, f"this model's context is {version.context} tokens; the prompt has {len(prompt)} and "
                        f"max_tokens asks {max_tokens} more; shorten the prompt or lower max_tokens",
                        param="prompt" if room <= 0 else "max_tokens", code="context_length_exceeded")
-    eos = version.tokenizer.get("eos_id")
+    from crosstrain.plugins.serve.chat import stop_ids
+
     generator = torch.Generator()
     if body.seed is None:
         generator.seed()
     else:
         generator.manual_seed(body.seed)
-    return Job(prompt, body.generation(max_tokens, () if eos is None else (int(eos),)), generator, stops,
+    return Job(prompt, body.generation(max_tokens, stop_ids(version.tokenizer)), generator, stops,
                version.codec.decode, asyncio.get_running_loop(), alternatives=body.alternatives(),
                score_prompt=body.score_prompt())
