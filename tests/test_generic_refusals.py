@@ -97,4 +97,5 @@ def test_models_lists_no_encoder_as_trainable() -> None:
     found = {f["family"]: f for f in json.loads(stdout.getvalue())["families"]}
     trainable = set(found["generic"]["model_types"])
     assert "gpt_neox" in trainable and "falcon" in trainable
+    assert "encoders (is_decoder=false) and encoder-decoders" in found["generic"]["refuses"]
     assert not trainable & {"bert", "electra", "camembert", "roberta", "t5", "bart", "whisper"}, trainable
