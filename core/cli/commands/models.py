@@ -10,12 +10,14 @@ from typing import Any
 
 
 def _generic_types(native: set[str]) -> list[str]:
-    """transformers' causal-LM model_types no native family imports (empty without transformers)."""
+    """transformers' decoder-only causal-LM model_types no native family imports (encoders and encoder-decoders
+    left out: the generic path refuses them); empty without transformers."""
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from crosstrain.models.generic.decoder import decoder_only_types
+
+        return sorted(decoder_only_types() - native)
     except ImportError:
         return []
-    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - native)
 
 
 def collect() -> dict[str, Any]:

@@ -40,17 +40,48 @@ def build(cfg: GenericConfig) -> GenericCausalLM:
     transformers.utils.logging.disable_progress_bar()  # crosstrain reports progress itself
     try:
         if has_weights:
-            model = auto.from_pretrained(cfg.init_from, dtype=torch.float32, use_safetensors=True)
+            model = _load(cfg, auto)
         else:
             model = auto.from_config(hf_config_object(cfg), dtype=torch.float32)
     except ValueError as exc:  # a config class with no causal-LM head (an encoder, a vision model)
-        raise ConfigError(f"transformers cannot build a causal LM for model_type {cfg.model_type!r} "
-                          f"({str(exc).splitlines()[0]}); the generic path trains decoder-only causal LMs") from None
+        raise _no_causal_lm(cfg, exc) from None
     return adopt(model.float().train())
+
+
+def _no_causal_lm(cfg: GenericConfig, exc: ValueError) -> ConfigError:
+    return ConfigError(f"transformers cannot build a causal LM for model_type {cfg.model_type!r} "
+                       f"({str(exc).splitlines()[0]}); the generic path trains decoder-only causal LMs")
+
+
+def _load(cfg: GenericConfig, auto: Any) -> nn.Module:
+    """``cfg.init_from``'s weights, refused unless every tensor fits: transformers would initialise missing ones at
+    random and drop unexpected ones, so a folder of one family under another's model_type would train from scratch.
+    Its loading info already leaves out tied weights and the keys the model class ignores itself."""
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its load report is a table on stderr; the refusal below is the one line
+    try:
+        model, info = auto.from_pretrained(cfg.init_from, dtype=torch.float32, use_safetensors=True,
+                                           output_loading_info=True)
+    finally:
+        logging.set_verbosity(verbosity)
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if missing or unexpected:
+        parts = [f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+                 for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise ConfigError(f"model.init_from {cfg.init_from!r}: the weights do not fit transformers' "
+                          f"{type(model).__name__} for model_type {cfg.model_type!r}: tensors {' and '.join(parts)}; "
+                          "fix config.json's model_type/shape to the checkpoint's, or re-save the folder with "
+                          "save_pretrained")
+    return model  # type: ignore[no-any-return]
 
 
 def meta_model(cfg: GenericConfig) -> nn.Module:
     """The model on the meta device (nothing allocated): for counting parameters."""
     transformers = require_transformers()
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(hf_config_object(cfg))
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(hf_config_object(cfg))
+    except ValueError as exc:  # the layout estimate counts parameters before build() would refuse it
+        raise _no_causal_lm(cfg, exc) from None

@@ -77,5 +77,11 @@ def config_from_run(config: Any) -> GenericConfig:
         raise ConfigError(f"model.{fixed[0]} cannot be combined with model.init_from (the shape comes from "
                           f"{m.init_from}/config.json); remove model.{fixed[0]}")
     hf_config = read_hf_config(m.init_from)
+    require_transformers()
+    from crosstrain.models.generic.decoder import refusal
+
+    why = refusal(hf_config, f"model.init_from {m.init_from!r}")
+    if why:
+        raise ConfigError(why)
     return GenericConfig(hf_config=hf_config, init_from=str(m.init_from),
                          max_seq_len=int(m.max_seq_len or config_length(hf_config)))

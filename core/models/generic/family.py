@@ -129,6 +129,7 @@ GENERIC_FAMILY = ModelFamily(
     claims=claims,
     path="generic",
     refuses=("parallel.pp > 1", "parallel.ep > 1", "parallel.tp > 1 without the model's base_model_tp_plan",
-             "data.packing='documents'", "pickle-only weights (.bin/.pth)"),
+             "data.packing='documents'", "pickle-only weights (.bin/.pth)",
+             "encoders (is_decoder=false) and encoder-decoders", "weights with missing or unexpected tensors"),
     parallel_dims=("dp_replicate", "dp_shard", "tp"),
 )
