@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from one_line import raises_one_line
+from serve_process import serve_process
 
 from crosstrain.config import load_config
 
@@ -150,23 +151,14 @@ def test_serve_chat_renders_the_runs_template_and_stops_at_its_end_of_turn(chain
     """``/v1/chat/completions`` on the sft run (openai SDK, a real ``crosstrain serve`` process): the prompt is the
     tokenizer's chat template with its generation prompt, the reply is what transformers' ``generate`` gives on the
     exported folder, and it ends at <|eot_id|> with finish_reason "stop"."""
-    import re
-
     openai = pytest.importorskip("openai")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cmd = [sys.executable, "-m", "crosstrain", "serve", str(chain["sft"]), "--port", "0", "--threads", "1",
-           "--model-name", "sft"]
-    log = chain["root"] / "serve.stderr"
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    try:
+    with serve_process([str(chain["sft"]), "--threads", "1", "--model-name", "sft"],
+                       chain["root"] / "serve.stderr") as server:
         tok = AutoTokenizer.from_pretrained(chain["sft_hf"])
         model = AutoModelForCausalLM.from_pretrained(chain["sft_hf"]).eval()
-        assert proc.stdout is not None
-        found = re.search(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())
-        assert found, log.read_text()[-2000:]
-        client = openai.OpenAI(base_url=f"{found.group(0)}/v1", api_key="unused", timeout=60)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60)
         turns = _turns(tok)
         stopped = 0
         for messages, _ in turns:
@@ -179,10 +171,3 @@ def test_serve_chat_renders_the_runs_template_and_stops_at_its_end_of_turn(chain
             assert reply.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
             stopped += reply.choices[0].finish_reason == "stop"
         assert stopped >= 0.9 * len(turns), f"{stopped} of {len(turns)} replies stopped"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -10,7 +10,6 @@ task through ``local-chat-completions`` must give ``crosstrain generate``'s gree
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ pytest.importorskip("accelerate")  # lm-eval's hf model, the reference
 pytest.importorskip("fastapi")
 
 from lm_eval_tasks import WORDS, gen_task, mc_task  # noqa: E402
+from serve_process import serve_process  # noqa: E402
 
 from crosstrain.cli.main import main  # noqa: E402
 from crosstrain.config import load_config  # noqa: E402
@@ -49,29 +49,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     """The run, its HF export, the task YAMLs and a live ``crosstrain serve`` process on the run."""
     root = tmp_path_factory.mktemp("lmeval_serve")
     Trainer(load_config(None, TRAIN), run_dir=root / "run").fit()
-    cmd = [sys.executable, "-m", "crosstrain", "serve", str(root / "run"), "--port", "0", "--threads", "1",
-           "--max-batch", "16", "--max-wait-ms", "2", "--model-name", "tiny"]
-    log = root / "serve.stderr"  # a file, not a pipe nobody reads: the server can never block on it
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    try:  # the export and the task files are written while the server starts
+    args = [str(root / "run"), "--threads", "1", "--max-batch", "16", "--max-wait-ms", "2", "--model-name", "tiny"]
+    with serve_process(args, root / "serve.stderr") as server:
+        # the export and the task files are written while the server starts
         assert main(["export", str(root / "run"), "--format", "hf", "--out", str(root / "hf")]) == 0
         mc_task(root)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # the banner, its one line on stdout
-        found = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert found, f"no listening line: {line!r}; stderr: {log.read_text()[-2000:]}"
         import httpx
 
-        model = httpx.get(f"{found.group(0)}/v1/models", timeout=30).json()["data"][0]
-        yield {"root": root, "url": f"{found.group(0)}/v1", "hf": root / "hf", "context": model["context_length"]}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
+        yield {"root": root, "url": f"{server.url}/v1", "hf": root / "hf", "context": model["context_length"]}
 
 
 def _tasks(root: Path) -> Any:
