@@ -1,7 +1,8 @@
 """One atomic writer, and a full disk as one line: on a real 1 MiB tmpfs (ENOSPC; needs root to mount, skipped
 otherwise) and under RLIMIT_FSIZE (EFBIG; no root), ``atomic_write``/``atomic_path`` raise ``NoSpaceError``, leave
 no temp file and leave the previous version of the file as it was, whatever form the library's error takes (a
-plain write, safetensors, torch.save); an appended log (metrics.jsonl) gives the same error; and end to end
+plain write, safetensors, torch.save); an appended log (metrics.jsonl) gives the same error and the metrics
+hub re-raises it; and end to end
 ``crosstrain data prepare`` and ``crosstrain distill cache`` exit with NoSpaceError's code, one line, no traceback,
 no temp file."""
 
@@ -18,9 +19,9 @@ from pathlib import Path
 import pytest
 from one_line import one_line_error
 
-from crosstrain.checkpoint.atomic import atomic_path, atomic_write, disk_errors
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write
 from crosstrain.checkpoint.space import NoSpaceError
-from crosstrain.engine.metrics import JsonlSink
+from crosstrain.engine.metrics import JsonlSink, MetricsHub
 
 OLD = b"the previous version\n"
 BIG = 2 << 20  # twice the tiny disk
@@ -113,14 +114,19 @@ def test_any_other_error_removes_the_temp_file_and_passes_unchanged(tmp_path) ->
     assert _left(tmp_path) == ["out.npy"] and target.read_bytes() == OLD
 
 
-def test_an_appended_log_on_a_full_disk_is_the_same_error(tiny_disk) -> None:
+def test_an_appended_log_on_a_full_disk_is_the_same_error_and_stops_the_hub(tiny_disk) -> None:
+    """metrics.jsonl through the run's MetricsHub: the full disk is re-raised, not a sink disabled with a warning."""
     sink = JsonlSink(tiny_disk / "metrics.jsonl")
+    hub = MetricsHub([sink])
     metrics = {f"metric/{i}": float(i) for i in range(200)}  # ~5 KB a line
-    with pytest.raises(NoSpaceError, match=f"^no space left on device writing {tiny_disk / 'metrics.jsonl'} "):
+    with pytest.raises(NoSpaceError, match=f"^no space left on device writing {sink.path} "):
         for step in range(1, 1000):
-            sink.write(step, metrics)
-    with pytest.raises(NoSpaceError), disk_errors(sink.path):  # the refused line still sits in the buffer
+            hub.write(step, metrics)
+    assert hub.sinks == [sink]
+    try:  # the refused line may still sit in the buffer: closing gives the same error or none
         sink.close()
+    except NoSpaceError:
+        pass
 
 
 def _text(folder: Path, lines: int) -> Path:
@@ -188,3 +194,20 @@ def test_distill_cache_on_a_full_disk_is_one_line(tiny_disk, tmp_path, capsys) -
     code = crosstrain_main(["distill", "cache", str(teacher), "--out", str(out), "--top-k", "64", "--data",
                             str(tokens), *_sets(*MODEL)])
     _refused(code, *capsys.readouterr(), out, "no space left on device writing")
+
+
+def test_hf_export_on_a_full_disk_is_one_line_and_leaves_no_temp_folder(tiny_disk, tmp_path, capsys) -> None:
+    """``--format hf`` fills a temp folder renamed whole: its ~1.7 MB of weights cannot fit the 1 MiB disk."""
+    from in_process import crosstrain_main
+
+    run = tmp_path / "run"
+    assert crosstrain_main(["train", "--run-dir", str(run), *_sets(
+        "model.dim=128", "model.n_layers=2", "model.n_heads=2", "train.seq_len=32", "backend=cpu",
+        "train.batch_size=2", "train.steps=1", "eval.every=0", "logging.progress=none")]) == 0
+    capsys.readouterr()
+    code = crosstrain_main(["export", str(run), "--format", "hf", "--out", str(tiny_disk / "hf")])
+    out, err = capsys.readouterr()
+    assert code == NoSpaceError.exit_code, err
+    line = one_line_error(out, err, lines=1)[0]
+    assert line.startswith(f"crosstrain: error: no space left on device writing {tiny_disk}/"), line
+    assert _left(tiny_disk) == []

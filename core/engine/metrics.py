@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from crosstrain.checkpoint.atomic import atomic_write, disk_errors
+from crosstrain.checkpoint.space import NoSpaceError
 
 
 class MetricsSink(Protocol):
@@ -233,6 +234,8 @@ class MetricsHub:
     def _call(self, sink: Any, method: str, *args: Any) -> None:
         try:
             getattr(sink, method)(*args)
+        except NoSpaceError:  # not the sink's fault: the run's checkpoints cannot be written either, so stop
+            raise
         except Exception as exc:
             print(f"crosstrain: warning: metrics sink {type(sink).__name__} failed and is disabled: {exc}",
                   file=sys.stderr)
