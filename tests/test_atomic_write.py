@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from one_line import one_line_error
 
-from crosstrain.checkpoint.atomic import atomic_path, atomic_write
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write, is_temp
 from crosstrain.checkpoint.space import NoSpaceError
 from crosstrain.engine.metrics import JsonlSink, MetricsHub
 
@@ -108,7 +108,7 @@ def test_any_other_error_removes_the_temp_file_and_passes_unchanged(tmp_path) ->
     target = tmp_path / "out.npy"
     atomic_write(target, OLD)
     with pytest.raises(ValueError, match="the caller's own"), atomic_path(target) as tmp:
-        assert tmp.parent == tmp_path and tmp.suffix == ".npy" and tmp.name.startswith(".out.")
+        assert tmp.parent == tmp_path and tmp.suffix == ".npy" and tmp.name.startswith(".out.") and is_temp(tmp.name)
         tmp.write_bytes(b"half")
         raise ValueError("the caller's own")
     assert _left(tmp_path) == ["out.npy"] and target.read_bytes() == OLD
