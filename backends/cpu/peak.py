@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from crosstrain.checkpoint.atomic import atomic_write
+from crosstrain.checkpoint.space import NoSpaceError
+
 N = 1024
 TRIALS = 5
 MAX_SECONDS = 2.0  # per measurement: a dtype with a very slow path gets fewer trials, never fewer than one
@@ -97,11 +100,9 @@ def _read_cache(path: Path) -> dict[str, dict[str, float]]:
 def _write_cache(path: Path, peaks: dict[str, dict[str, float]]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, "peaks": peaks}, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the figure is still measured, just not kept
+        atomic_write(path, json.dumps({"version": CACHE_VERSION, "peaks": peaks}, indent=1, sort_keys=True) + "\n")
+    except (OSError, NoSpaceError):
+        pass  # a read-only or full home: the figure is still measured, just not kept
 
 
 def _plausible(entry: object) -> bool:

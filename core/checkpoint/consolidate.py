@@ -9,8 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from crosstrain.checkpoint.atomic import atomic_path
 from crosstrain.checkpoint.dcp import read_meta
-from crosstrain.checkpoint.manifest import fsync_dir
 from crosstrain.checkpoint.resolve import CHECKPOINT, Resolved, resolve_path
 from crosstrain.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, call_dcp, read_metadata
 from crosstrain.checkpoint.verify import verify
@@ -48,10 +48,6 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> di
     tensors = load_consolidated(path)
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
-    fsync_dir(target.parent)
+    with atomic_path(target) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
     return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}

@@ -31,11 +31,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from crosstrain.checkpoint import space
 from crosstrain.checkpoint.app_state import ModelOptimizerState, RankLocal
+from crosstrain.checkpoint.atomic import fsync_dir
 from crosstrain.checkpoint.manifest import (
     FORMAT_VERSION,
     META_FILE,
     Manifest,
-    fsync_dir,
     read_json_object,
     write_durable,
 )

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from crosstrain.checkpoint.atomic import atomic_write, is_temp
 from crosstrain.checkpoint.backend_storage import backend_checkpointer
 from crosstrain.checkpoint.dcp import CheckpointWarning, Prepared
-from crosstrain.checkpoint.manifest import Manifest, atomic_write
+from crosstrain.checkpoint.manifest import Manifest
 from crosstrain.checkpoint.retention import to_delete
 from crosstrain.checkpoint.staging import HostStager
 from crosstrain.checkpoint.verify import verify
@@ -419,6 +420,6 @@ class CheckpointManager:
                     shutil.rmtree(child, ignore_errors=True)
             elif (name.endswith(".tmp") or name.endswith(".deleting")) and name.startswith("step_"):
                 shutil.rmtree(child, ignore_errors=True)
-            elif name in (f"{LATEST_FILE}.tmp", f"{BEST_FILE}.tmp") and child.is_file():
+            elif is_temp(name) and child.is_file():
                 child.unlink(missing_ok=True)  # a pointer rewrite cut short: the pointer itself is intact
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import fsync_dir
 from crosstrain.errors import CheckpointError
 
 MANIFEST_FILE = "manifest.json"
@@ -22,29 +23,14 @@ FORMAT_VERSION = 1
 _CHUNK = 512 << 10  # fits a core's L2 cache: SHA-256 reads it from there
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_durable(path: Path, data: bytes) -> tuple[str, int]:
-    """Write ``data`` to ``path`` (no rename) and fsync it; return its (sha256, size)."""
+    """Write ``data`` to ``path`` (no rename: a file of a checkpoint folder that is renamed whole) and fsync it;
+    return its (sha256, size)."""
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     return hashlib.sha256(data).hexdigest(), len(data)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` atomically: temp file, fsync, rename, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    write_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def sha256_file(path: Path) -> str:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from crosstrain import __version__
+from crosstrain.checkpoint.atomic import says_no_space
+from crosstrain.checkpoint.space import NoSpaceError
 from crosstrain.errors import CrosstrainError, first_line
 from crosstrain.fault.peer_loss import EXIT_PEER_LOST, is_peer_loss
 
@@ -86,12 +88,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CrosstrainError as exc:
         print(f"crosstrain: error: {exc}", file=sys.stderr)
         return EXIT_PEER_LOST if is_peer_loss(exc) else int(getattr(exc, "exit_code", 1))
-    except RuntimeError as exc:
-        if not is_peer_loss(exc):
+    except Exception as exc:
+        if is_peer_loss(exc):
+            print(f"crosstrain: error: lost another rank ({first_line(exc)}); its own output above shows why it "
+                  "stopped", file=sys.stderr)
+            return EXIT_PEER_LOST
+        if not says_no_space(exc):
             raise
-        print(f"crosstrain: error: lost another rank ({first_line(exc)}); its own output above shows why it stopped",
-              file=sys.stderr)
-        return EXIT_PEER_LOST
+        # a full disk met by a writer that does not name its file (a library copying into a temp folder)
+        print(f"crosstrain: error: no space left on device ({first_line(exc)}); free some space or write to "
+              "another disk", file=sys.stderr)
+        return NoSpaceError.exit_code
     except KeyboardInterrupt:
         print("crosstrain: interrupted", file=sys.stderr)
         return 130

@@ -229,7 +229,7 @@ def save_config(config: Config, folder: str | os.PathLike[str]) -> None:
     """Write the effective config as ``config.toml`` (each key's description, type and default as a comment above
     it) and ``config.json`` into ``folder``, each atomically
     (a reader, or a run killed mid-write, sees the old file or the new one, never half of one)."""
-    from crosstrain.checkpoint.manifest import atomic_write
+    from crosstrain.checkpoint.atomic import atomic_write
     from crosstrain.config.reference import comments
 
     data = config.to_dict()

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import atomic_write
+
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> character table: printable Latin-1 bytes map to themselves, the other 68
@@ -47,9 +49,9 @@ def write_byte_tokenizer(folder: str | os.PathLike[str], model_max_length: int) 
     """Write ``tokenizer.json`` + ``tokenizer_config.json`` of the byte tokenizer into ``folder``."""
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), ensure_ascii=False))
+    atomic_write(root / "tokenizer.json", json.dumps(byte_tokenizer_json(), ensure_ascii=False))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, "bos_token": None, "eos_token": None, "unk_token": None,
               "pad_token": None}
-    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write(root / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
     return [root / "tokenizer.json", root / "tokenizer_config.json"]

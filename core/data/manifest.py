@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write
 from crosstrain.errors import ConfigError
 
 FORMAT = "crosstrain-token-manifest"
@@ -37,13 +38,10 @@ def remove_manifest(token_file: str | os.PathLike[str]) -> None:
 def write_manifest(token_file: str | os.PathLike[str], manifest: dict[str, Any], starts: np.ndarray) -> Path:
     """Write the document starts and the manifest (each to a temp file renamed into place, manifest last)."""
     docs, path = starts_path(token_file), manifest_path(token_file)
-    tmp_docs = docs.with_name(f".{docs.name}.{os.getpid()}.tmp.npy")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    np.save(tmp_docs, np.asarray(starts, dtype=np.int64), allow_pickle=False)
-    os.replace(tmp_docs, docs)
-    tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION, **manifest,
-                               "document_starts": docs.name}, indent=2) + "\n")
-    os.replace(tmp, path)
+    with atomic_path(docs) as tmp_docs:
+        np.save(tmp_docs, np.asarray(starts, dtype=np.int64), allow_pickle=False)
+    atomic_write(path, json.dumps({"format": FORMAT, "version": VERSION, **manifest,
+                                   "document_starts": docs.name}, indent=2) + "\n")
     return path
 
 

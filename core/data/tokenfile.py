@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from crosstrain.checkpoint.atomic import atomic_path
 from crosstrain.errors import ConfigError
 
 MAGIC = b"CTTOKENS"
@@ -30,23 +31,17 @@ def write_token_file(path: str | os.PathLike[str], chunks: Iterable[np.ndarray],
     path = Path(path)
     itemsize = itemsize_for(vocab_size)
     dtype = _DTYPES[itemsize]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     count = 0
-    try:
-        with tmp.open("wb") as fh:
-            fh.write(HEADER.pack(MAGIC, VERSION, itemsize, 0, vocab_size, 0))
-            for chunk in chunks:
-                arr = np.asarray(chunk)
-                if arr.size and int(arr.max()) >= vocab_size:
-                    raise ValueError(f"token id {int(arr.max())} >= vocab_size {vocab_size}")
-                fh.write(arr.astype(dtype, copy=False).tobytes())
-                count += int(arr.size)
-            fh.seek(0)
-            fh.write(HEADER.pack(MAGIC, VERSION, itemsize, count, vocab_size, 0))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_path(path) as tmp, tmp.open("wb") as fh:
+        fh.write(HEADER.pack(MAGIC, VERSION, itemsize, 0, vocab_size, 0))
+        for chunk in chunks:
+            arr = np.asarray(chunk)
+            if arr.size and int(arr.max()) >= vocab_size:
+                raise ValueError(f"token id {int(arr.max())} >= vocab_size {vocab_size}")
+            fh.write(arr.astype(dtype, copy=False).tobytes())
+            count += int(arr.size)
+        fh.seek(0)
+        fh.write(HEADER.pack(MAGIC, VERSION, itemsize, count, vocab_size, 0))
     return count
 
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write
 from crosstrain.errors import ConfigError
 
 EOS = "<|endoftext|>"
@@ -60,9 +61,10 @@ def train_bpe(
               file=sys.stderr)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    tok.save(str(root / "tokenizer.json"))
+    with atomic_path(root / "tokenizer.json") as tmp:
+        tok.save(str(tmp))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, "bos_token": EOS, "eos_token": EOS, "unk_token": None,
               "pad_token": None}
-    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write(root / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
     return root

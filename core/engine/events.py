@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from crosstrain import pluginmanager
-from crosstrain.checkpoint.manifest import atomic_write
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.config import Config
 from crosstrain.data.split import split_line
 from crosstrain.engine.metrics import (

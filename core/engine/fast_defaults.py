@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from crosstrain.checkpoint.space import file_size_limit
+from crosstrain.checkpoint.atomic import atomic_write
+from crosstrain.checkpoint.space import NoSpaceError, file_size_limit
 from crosstrain.errors import ConfigError
 
 #: files the C++ compiler writes for one compiled block reach tens of MB; a file-size limit below this kills it.
@@ -108,10 +109,8 @@ def write_record(key: str, **measured: float) -> None:
     data = {**(read_record(key) or {}), **measured, "torch": torch.__version__}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data) + "\n")
-        os.replace(tmp, path)
-    except OSError:  # a read-only home: the next run decides without the record
+        atomic_write(path, json.dumps(data) + "\n")
+    except (OSError, NoSpaceError):  # a read-only or full home: the next run decides without the record
         pass
 
 

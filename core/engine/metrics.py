@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from crosstrain.checkpoint.manifest import atomic_write
+from crosstrain.checkpoint.atomic import atomic_write, disk_errors
+from crosstrain.checkpoint.space import NoSpaceError
 
 
 class MetricsSink(Protocol):
@@ -40,7 +41,8 @@ class EventsFileSink:
     """One JSON object per event in ``events.jsonl``: ``{"step", "event", "time", ...fields}``."""
 
     def __init__(self, path: str | Path) -> None:
-        self._fh: TextIO | None = Path(path).open("a", buffering=1)
+        self.path = Path(path)
+        self._fh: TextIO | None = self.path.open("a", buffering=1)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         pass
@@ -48,12 +50,14 @@ class EventsFileSink:
     def event(self, step: int, name: str, fields: dict[str, Any]) -> None:
         if self._fh is not None:
             record = {"step": step, "event": name, "time": time.time(), **fields}
-            self._fh.write(json.dumps(record, default=str) + "\n")
+            with disk_errors(self.path):  # a full disk is the one-line error, not a traceback
+                self._fh.write(json.dumps(record, default=str) + "\n")
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            with disk_errors(self.path):  # the flush of a line a full disk refused
+                fh.close()
 
 
 def _json_value(value: Any) -> Any:
@@ -79,12 +83,14 @@ class JsonlSink:
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._fh is not None:
             record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
-            self._fh.write(json.dumps(record) + "\n")
+            with disk_errors(self.path):
+                self._fh.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            with disk_errors(self.path):  # the flush of a line a full disk refused
+                fh.close()
 
 
 def _drop_records_after(path: Path, step: int) -> None:
@@ -97,7 +103,7 @@ def _drop_records_after(path: Path, step: int) -> None:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
             continue
         kept.append(line + "\n")
-    atomic_write(path, "".join(kept).encode())
+    atomic_write(path, "".join(kept))
 
 
 def format_line(step: int, total: int, m: dict[str, float], headline: tuple[str, ...] = (),
@@ -228,6 +234,8 @@ class MetricsHub:
     def _call(self, sink: Any, method: str, *args: Any) -> None:
         try:
             getattr(sink, method)(*args)
+        except NoSpaceError:  # not the sink's fault: the run's checkpoints cannot be written either, so stop
+            raise
         except Exception as exc:
             print(f"crosstrain: warning: metrics sink {type(sink).__name__} failed and is disabled: {exc}",
                   file=sys.stderr)

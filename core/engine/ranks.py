@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from crosstrain.checkpoint.atomic import disk_errors
+
 #: keys of a step's metrics copied into the rank's record (when present).
 RECORD_KEYS = ("step_time_s", "time_data_s", "time_forward_s", "time_backward_s", "time_comm_s",
                "time_optimizer_s", "peak_memory_bytes")
@@ -61,13 +63,15 @@ class RankMetricsWriter:
         record.update({k: float(metrics[k]) for k in RECORD_KEYS if k in metrics})
         record["busy_s"] = busy_seconds(wall, metrics)
         if self._fh is not None:
-            self._fh.write(json.dumps(record) + "\n")
+            with disk_errors(self.path):
+                self._fh.write(json.dumps(record) + "\n")
         return record
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            with disk_errors(self.path):  # the flush of a line a full disk refused
+                fh.close()
 
 
 class _Tail:

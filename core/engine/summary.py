@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.engine import fast_defaults
 from crosstrain.engine.counters import Counters
 from crosstrain.engine.models import TrainedModel
@@ -182,7 +183,7 @@ def models_summary(models: dict[str, TrainedModel], primary: TrainedModel, prima
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     """``summary.json`` (NaN and inf written as null: JSON has neither)."""
     text = json.dumps(_finite_or_none(summary), indent=2, default=str)
-    (run_dir / "summary.json").write_text(text + "\n")
+    atomic_write(run_dir / "summary.json", text + "\n")
 
 
 def _finite_or_none(value: Any) -> Any:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from crosstrain.checkpoint.atomic import atomic_write
+
 #: Attributes of the training context that may hold the (parallelised) model, most specific first.
 _MODEL_ATTRS = ("parallel_model", "pmodel", "model")
 
@@ -85,5 +87,5 @@ def export_after_train(context: Any, run_dir: str) -> dict[str, Any] | None:
         report["onnx"] = result.to_dict()
         for line in result.lines():
             print(f"export: {line}", flush=True)
-    (out_dir / "export.json").write_text(json.dumps(report, indent=2))
+    atomic_write(out_dir / "export.json", json.dumps(report, indent=2))
     return report

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.models.gpt import GPT, GPTConfig
 from crosstrain.plugins.export.errors import ExportError
 
@@ -194,7 +195,7 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         files = [p.name for p in write_weights(tmp, shards, load)]
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        atomic_write(tmp / "config.json", json.dumps(hf_config, indent=2) + "\n")
         files += ["config.json", *write_generation_files(src.tokenizer, src.origin, cfg, tmp)]
         _replace_dir(tmp, out_path)
     finally:

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write
 from crosstrain.plugins.export.errors import ExportError
 
 
@@ -26,11 +27,12 @@ def copy_tokenizer_files(folder: Path, out: Path) -> list[str]:
 
     names = [n for n in TOKENIZER_FILES if (folder / n).is_file()]
     for name in names:
-        shutil.copyfile(folder / name, out / name)
+        with atomic_path(out / name) as tmp:
+            shutil.copyfile(folder / name, tmp)
     if "chat_template.jinja" not in names and (folder / "tokenizer_config.json").is_file():
         template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
         if isinstance(template, str) and template:
-            (out / "chat_template.jinja").write_text(template)
+            atomic_write(out / "chat_template.jinja", template)
             names.append("chat_template.jinja")
     return names
 
@@ -78,5 +80,5 @@ def write_generation_files(tokenizer: dict[str, Any], origin: Path | None, cfg: 
         names = []
     written = _read(out / "generation_config.json")  # save_pretrained's (the generic path), if any
     doc = {**written, **generation_config(tokenizer, origin)}
-    (out / "generation_config.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    atomic_write(out / "generation_config.json", json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return sorted({*names, "generation_config.json"})

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 
+from crosstrain.checkpoint.atomic import atomic_path
 from crosstrain.checkpoint.consolidate import load_consolidated
 from crosstrain.checkpoint.resolve import Resolved, resolve_path
 from crosstrain.errors import CheckpointError
@@ -285,14 +286,10 @@ def save_safetensors(loaded: LoadedModel, out: str | os.PathLike[str]) -> Path:
         state.pop("output.weight", None)
     meta = {META_CONFIG: json.dumps(loaded.config.to_dict()), META_TOKENIZER: json.dumps(loaded.tokenizer),
             META_SOURCE: loaded.source, META_FORMAT: FORMAT_VERSION}
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(out_path) as tmp:
         save_file(state, str(tmp), metadata=meta)
         back = load_file(str(tmp))
         bad = [k for k, v in state.items() if not torch.equal(back[k], v)]
         if bad:
             raise ExportError(f"safetensors round trip changed {bad[0]}; nothing written")
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out_path

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from crosstrain.checkpoint.atomic import disk_errors
 from crosstrain.kernels import registry as kernel_registry
 from crosstrain.models.gpt import GPT, GPTConfig
 from crosstrain.plugins.export.defaults import DEFAULT_INT8_TOLERANCE, DEFAULT_TOLERANCE
@@ -132,7 +133,7 @@ def trace_to_onnx(model: GPT, path: Path, meta: dict[str, str], *, opset: int | 
         raise ExportError("torch.onnx.export returned no program")
     program.model.metadata_props.update(meta)
     big = sum(p.numel() * p.element_size() for p in model.parameters()) > 1_800_000_000
-    with _quiet():
+    with _quiet(), disk_errors(path):
         program.save(str(path), external_data=big)
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 from pathlib import Path
 
+from crosstrain.checkpoint.atomic import atomic_path
 from crosstrain.plugins.export.errors import ExportError
 
 
@@ -38,5 +39,6 @@ def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> P
         if key not in have:
             model.metadata_props.add(key=key, value=value)
     model.metadata_props.add(key="crosstrain.quantization", value="int8-dynamic-matmul")
-    onnx.save(model, str(dst_path))
+    with atomic_path(dst_path) as tmp:
+        onnx.save(model, str(tmp))
     return dst_path

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write
 from crosstrain.errors import ConfigError
 
 CLIENT_PREFIX = "client-"
@@ -54,12 +55,12 @@ def _issue(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, iss
 
 
 def _write(folder: Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
-    (folder / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path = folder / f"{stem}.key"
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private keys: owner only
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                   serialization.NoEncryption()))
+    atomic_write(folder / f"{stem}.crt", cert.public_bytes(serialization.Encoding.PEM))
+    with atomic_path(folder / f"{stem}.key") as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private keys: owner only
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
 
 
 def generate(folder: str | os.PathLike[str], clients: int) -> Path:

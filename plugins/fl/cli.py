@@ -68,7 +68,7 @@ def run_certs(args: argparse.Namespace) -> int:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from crosstrain.checkpoint.manifest import atomic_write
+    from crosstrain.checkpoint.atomic import atomic_write
     from crosstrain.plugins.fl.certs import load
     from crosstrain.plugins.fl.coordinator import Coordinator
     from crosstrain.plugins.fl.grpc_transport import check_free, serve

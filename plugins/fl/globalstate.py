@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from crosstrain.checkpoint.manifest import atomic_write
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.errors import CheckpointError
 
 LATEST = "latest.json"

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from crosstrain.checkpoint.manifest import atomic_write
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.config import Config
 from crosstrain.engine.metrics import JsonlSink, MetricsHub
 from crosstrain.errors import ConfigError, CrosstrainError

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from crosstrain.checkpoint.manifest import atomic_write
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.errors import CrosstrainError
 
 

@@ -137,7 +137,7 @@ class FLClientRecipe(LMRecipe):
 def run_client(config: Any, run_dir: Path, client: FLClient) -> dict[str, Any]:
     """Train as an FL client until the server finishes; writes summary.json to ``run_dir`` (the training run, with
     each round's ``fl_round`` event in its events.jsonl, under ``run_dir/train``)."""
-    from crosstrain.checkpoint.manifest import atomic_write
+    from crosstrain.checkpoint.atomic import atomic_write
     from crosstrain.engine.trainer import Trainer
     from crosstrain.plugins.fl.server import check_modes, fl_section
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from crosstrain.checkpoint.manifest import atomic_write
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.engine.metrics import SinkInfo
 
 #: seconds between two batches sent by the background thread

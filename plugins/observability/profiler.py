@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write
+
 _COMM = re.compile(r"nccl|gloo|c10d|all_?reduce|all_?gather|reduce_?scatter|broadcast|all_?to_?all|"
                    r"record_param_comms|hccl|rccl", re.IGNORECASE)
 
@@ -73,19 +75,20 @@ class StepProfiler:
         out = Path(context.run_dir) / "profile"
         out.mkdir(parents=True, exist_ok=True)
         rank = context.rank
-        prof.export_chrome_trace(str(out / f"trace.rank{rank}.json"))
+        with atomic_path(out / f"trace.rank{rank}.json") as tmp:
+            prof.export_chrome_trace(str(tmp))
         averages = prof.key_averages()
         device = any(getattr(e, "self_device_time_total", 0) for e in averages)
         key = "self_device_time_total" if device else "self_cpu_time_total"
         comm_us = sum(getattr(e, key, 0) for e in averages if _COMM.search(e.key))
         result = shares(self.parts, comm_us / 1e6)
         steps = f"{self.first}:{self.last}"
-        (out / f"shares.rank{rank}.json").write_text(json.dumps({"steps": steps, "rank": rank, "shares": result,
+        atomic_write(out / f"shares.rank{rank}.json", json.dumps({"steps": steps, "rank": rank, "shares": result,
                                                                  "seconds": self.parts}, indent=2) + "\n")
         table = averages.table(sort_by=key, row_limit=15)
         lines = [f"crosstrain profile of steps {steps} on rank {rank} ({self.parts['step_time_s']:.3f}s)", "",
                  "share of step time:"]
         lines += [f"  {name:<14} {100 * share:5.1f}%" for name, share in result.items()]
-        (out / f"summary.rank{rank}.txt").write_text("\n".join([*lines, "", f"top ops by {key}:", table]) + "\n")
+        atomic_write(out / f"summary.rank{rank}.txt", "\n".join([*lines, "", f"top ops by {key}:", table]) + "\n")
         context.emit_event("profile", f"crosstrain: profile of steps {steps} written to {out}" if rank == 0 else "",
                            steps=steps, dir=str(out))

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.plugins.observability.panels import BREAKDOWN, MARKERS, Panel, report_panels
 from crosstrain.plugins.observability.rundata import RunData, load_run, numeric
 
@@ -202,7 +203,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, metrics: list[
         fig.savefig(buf, format="png", dpi=90)
         plt.close(fig)
         png = buf.getvalue()
-        (out / f"{panel.id}.png").write_bytes(png)
+        atomic_write(out / f"{panel.id}.png", png)
         uri = "data:image/png;base64," + base64.b64encode(png).decode()
         sections.append(f"<section class='panel' id='panel-{panel.id}' data-points='{points}'>"
                         f"<h2>{html.escape(panel.title)}</h2><img alt='{html.escape(panel.title)}' src='{uri}'>"
@@ -213,7 +214,5 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, metrics: list[
             f"<p>written {time.strftime('%Y-%m-%d %H:%M:%S')}</p>{_summary_table(runs)}"
             f"<div class='panels'>{''.join(sections)}</div><h2>Events</h2>{_events_table(runs)}</body></html>\n")
     path = out / "report.html"
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(page)
-    tmp.replace(path)  # a browser reloading the page of a live run never sees half of it
+    atomic_write(path, page)  # a browser reloading the page of a live run never sees half of it
     return path

@@ -114,7 +114,7 @@ def write(run_dir: Path, tables: dict[str, torch.Tensor], fingerprint: dict[str,
     """The tables, then the json naming their checksum (a crash in between leaves a cache that reads as stale)."""
     from safetensors.torch import save
 
-    from crosstrain.checkpoint.manifest import atomic_write
+    from crosstrain.checkpoint.atomic import atomic_write
 
     data = save({k: v.contiguous() for k, v in tables.items()})
     atomic_write(run_dir / CACHE, data)

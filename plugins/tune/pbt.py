@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.errors import ConfigError
 from crosstrain.plugins.tune.config import SearchSettings
 from crosstrain.plugins.tune.space import Param, distribution, sample, snap
@@ -143,9 +144,7 @@ def _tuple(saved: Any) -> tuple:
 
 def _write(path: Path, state: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(state, indent=1))
 
 
 def _record(search: Any, state: dict[str, Any], root: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write
 from crosstrain.errors import ConfigError
 
 
@@ -70,7 +71,8 @@ def write_report(folder: str, storage: str | None = None, study: str | None = No
         warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
         for name, plot in plots.items():
             figure: Any = plot(loaded).figure
-            figure.savefig(out / name, dpi=100, bbox_inches="tight")
+            with atomic_path(out / name) as tmp:
+                figure.savefig(tmp, dpi=100, bbox_inches="tight")
             plt.close(figure)
     summary = {
         "study": loaded.study_name,
@@ -81,7 +83,7 @@ def write_report(folder: str, storage: str | None = None, study: str | None = No
         "trials": [{"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
                     "run_dir": t.user_attrs.get("run_dir")} for t in trials],
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    atomic_write(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     lines = [f"# Study {loaded.study_name}", ""]
     if best:
         lines += [f"Best trial {best.number}: value {best.value:.6g}, run dir `{summary['best_run_dir']}`", "",
@@ -100,5 +102,5 @@ def write_report(folder: str, storage: str | None = None, study: str | None = No
             lines += ["", "The best run's own report: [best_run/report.html](best_run/report.html)"]
         except (ImportError, ConfigError):
             pass
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    atomic_write(out / "summary.md", "\n".join(lines) + "\n")
     return out / "summary.md"

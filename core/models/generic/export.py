@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from crosstrain.checkpoint.atomic import disk_errors
 from crosstrain.errors import CheckpointError
 from crosstrain.models.generic.wrapper import GenericCausalLM
 
@@ -59,5 +60,6 @@ def save_hf(model: GenericCausalLM, folder: str | os.PathLike[str], *, dtype: to
     names of the files written."""
     model.to(dtype)
     model.config.dtype = dtype
-    model.save_pretrained(str(folder), max_shard_size=max_shard_size)
+    with disk_errors(folder):
+        model.save_pretrained(str(folder), max_shard_size=max_shard_size)
     return sorted(p.name for p in Path(folder).iterdir())

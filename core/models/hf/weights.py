@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from crosstrain.checkpoint.atomic import atomic_path, atomic_write
 from crosstrain.errors import ConfigError
 
 SINGLE = "model.safetensors"
@@ -104,14 +105,15 @@ def write_weights(
     for i, names in enumerate(shards, start=1):
         file = SINGLE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in load(names).items()}
-        save_file(tensors, str(root / file), metadata={"format": "pt"})
+        with atomic_path(root / file) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update({k: file for k in tensors})
         written.append(root / file)
         del tensors
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        atomic_write(root / INDEX, json.dumps(index, indent=2) + "\n")
         written.append(root / INDEX)
     return written
 

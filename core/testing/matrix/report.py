@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import atomic_write
 from crosstrain.testing.matrix.factors import FACTORS
 from crosstrain.testing.matrix.runner import Outcome
 
@@ -32,6 +33,6 @@ def write(out: str | Path, outcomes: list[Outcome], result: dict[str, Any]) -> P
     folder.mkdir(parents=True, exist_ok=True)
     cells = [{**dict(zip(FACTORS, o.cell.row(), strict=True)), "status": o.status, "detail": o.detail,
               "max_rel": {k: (v if math.isfinite(v) else None) for k, v in o.max_rel.items()}} for o in outcomes]
-    (folder / "matrix.json").write_text(json.dumps({**result, "cell_results": cells}, indent=1) + "\n")
-    (folder / "matrix.txt").write_text(table(outcomes) + "\n")
+    atomic_write(folder / "matrix.json", json.dumps({**result, "cell_results": cells}, indent=1) + "\n")
+    atomic_write(folder / "matrix.txt", table(outcomes) + "\n")
     return folder / "matrix.json"

@@ -60,7 +60,7 @@ def write(out: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> 
     """Write the cache atomically; returns its payload SHA-256."""
     from safetensors.torch import save
 
-    from crosstrain.checkpoint.manifest import atomic_write
+    from crosstrain.checkpoint.atomic import atomic_write
 
     checksum = payload_sha256(tensors)
     header = {"format": FORMAT, "payload_sha256": checksum, **{k: json.dumps(v) for k, v in meta.items()}}

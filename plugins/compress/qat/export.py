@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crosstrain.checkpoint.atomic import disk_errors
 from crosstrain.plugins.compress.qat.convert import fake_quantised, integer_model, quantized_bytes
 from crosstrain.plugins.compress.qat.schemes import DEFAULT_QUANT_TOLERANCE, Scheme
 from crosstrain.plugins.export.errors import ExportError
@@ -73,7 +74,8 @@ def export_quantized_onnx(loaded: Any, out: str | os.PathLike[str], scheme: Sche
         integer_weights(graph, weights)
         for node in graph.graph.node:  # the exporter's per-node debug records (stack traces, source paths)
             del node.metadata_props[:]
-        onnx.save(graph, str(tmp))
+        with disk_errors(out_path):
+            onnx.save(graph, str(tmp))
         parity = check_parity(reference, tmp, tolerance=tolerance, seed=seed, label=scheme.name)
         size = tmp.stat().st_size
         files = _publish(tmp_dir, out_path.name, out_path.parent)
