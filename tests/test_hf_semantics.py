@@ -15,8 +15,10 @@ unless it is in :data:`NO_MATH` (reviewed: fields that do not change the forward
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
+import json
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -189,3 +191,25 @@ def test_gemma3_attention_softcapping_gives_transformers_logits(tmp_path: Path) 
     with torch.no_grad(), registry.use_reference():
         got, want = ours(ids), ref(ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_gemma3_model_with_attention_softcapping_is_not_exported_as_gemma3(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' Gemma 3 would drop the cap: ``export --format hf`` refuses in one line, nothing
+    written; without the cap the same model exports as gemma3_text."""
+    from crosstrain.cli.main import main
+    from crosstrain.models.gpt import GPT, GPTConfig
+    from crosstrain.plugins.export.loading import LoadedModel, save_safetensors, tokenizer_metadata
+
+    cfg = GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, qk_norm="head", sandwich_norm=True,
+                    norm_plus_one=True, embed_scale=True, mlp_act="gelu_tanh", tie_embeddings=True, attn_softcap=4.0)
+    for c, name in ((cfg, "capped"), (dataclasses.replace(cfg, attn_softcap=0.0), "plain")):
+        save_safetensors(LoadedModel(GPT(c), c, tokenizer_metadata(c), name), tmp_path / f"{name}.safetensors")
+    capsys.readouterr()
+    capped = ["export", str(tmp_path / "capped.safetensors"), "--format", "hf", "--out", str(tmp_path / "a")]
+    assert main(capped) == 6  # ExportError's exit code: the model cannot be exported in this format
+    err = capsys.readouterr().err.strip()
+    assert "attn_logit_softcapping" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "a").exists()
+    assert main(["export", str(tmp_path / "plain.safetensors"), "--format", "hf", "--out", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["model_type"] == "gemma3_text"
