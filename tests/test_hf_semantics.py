@@ -4,7 +4,8 @@ For each native family the config fields crosstrain's reader reads (declared in
 :data:`crosstrain.models.hf.fields.READS`, enforced by :class:`~crosstrain.models.hf.fields.DeclaredFields`) are
 compared with the fields the installed transformers uses: those its ``modeling_<family>.py`` reads (``config.X``,
 ``self.config.X``, ``getattr(config, "X")``, found with ``ast``; a field only stored on ``self`` under a name nothing
-reads back does not count: Gemma 3's ``attn_logit_softcapping``), those the shared rope and mask code reads, and
+reads back does not count: Gemma 3's ``attn_logit_softcapping``), those the shared rope and mask code reads (the
+config's own ``standardize_rope_params`` included: a top-level ``original_max_position_embeddings`` wins), and
 those the family's config class folds into a read field (``rope_theta`` into ``rope_parameters``, Qwen2's
 ``use_sliding_window`` into ``layer_types``: checked by changing the field and watching the read one change). The test
 fails on a field crosstrain reads that transformers ignores, and on a field transformers reads that crosstrain ignores
@@ -65,9 +66,9 @@ SHARED = ("transformers.modeling_rope_utils", "transformers.masking_utils")
 KERNELS = ("sdpa_attention", "flash_attention", "flex_attention")
 
 
-def _is_config(node: ast.expr) -> bool:
-    return (isinstance(node, ast.Name) and node.id == "config") or (isinstance(node, ast.Attribute)
-                                                                     and node.attr == "config")
+def _is_config(node: ast.expr, names: tuple[str, ...] = ("config",)) -> bool:
+    return (isinstance(node, ast.Name) and node.id in names) or (isinstance(node, ast.Attribute)
+                                                                  and node.attr == "config")
 
 
 def _loaded_attrs(module: ModuleType) -> set[str]:
@@ -76,18 +77,20 @@ def _loaded_attrs(module: ModuleType) -> set[str]:
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and not _is_config(n.value)}
 
 
-def config_reads(module: ModuleType, loaded: set[str] | None = None) -> set[str]:
-    """The config fields ``module`` reads; with ``loaded`` (attribute names read back anywhere), a field only copied
-    to ``self.<name>`` under a name not in ``loaded`` is left out (stored, never used)."""
-    tree = ast.parse(inspect.getsource(module))
+def config_reads(source: ModuleType | type, loaded: set[str] | None = None,
+                 names: tuple[str, ...] = ("config",)) -> set[str]:
+    """The config fields ``source`` reads (``names``: what a config is called there); with ``loaded`` (attribute
+    names read back anywhere), a field only copied to ``self.<name>`` under a name not in ``loaded`` is left out
+    (stored, never used)."""
+    tree = ast.parse(inspect.getsource(source))
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     out: set[str] = set()
     for node in ast.walk(tree):
         field = None
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _is_config(node.value):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _is_config(node.value, names):
             field = node.attr
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and len(node.args) >= 2 and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+              and len(node.args) >= 2 and _is_config(node.args[0], names) and isinstance(node.args[1], ast.Constant)):
             field = str(node.args[1].value)
         if field is None:
             continue
@@ -100,7 +103,8 @@ def config_reads(module: ModuleType, loaded: set[str] | None = None) -> set[str]
 
 
 def transformers_reads(model_type: str) -> set[str]:
-    """The config.json fields (those its config class serialises) transformers' model of ``model_type`` reads."""
+    """The config attributes transformers' model of ``model_type`` reads (some of other families' configs, in the
+    shared code, and methods among them)."""
     cls_name, module_name = FAMILIES[model_type]
     modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     loaded = _loaded_attrs(modeling)
@@ -109,9 +113,11 @@ def transformers_reads(model_type: str) -> set[str]:
     fields = config_reads(modeling, loaded)
     for name in SHARED:
         fields |= config_reads(importlib.import_module(name))
+    # the config's own rope code (``self`` is the config): folds top-level fields into rope_parameters
+    fields |= config_reads(importlib.import_module(SHARED[0]).RotaryEmbeddingConfigMixin, names=("self",))
     if "tie_word_embeddings" in config_reads(importlib.import_module("transformers.modeling_utils")):
         fields.add("tie_word_embeddings")  # PreTrainedModel ties the head to the embedding
-    return fields & set(getattr(transformers, cls_name)(**SHAPE).to_dict())  # config.json fields, not methods
+    return fields
 
 
 def folded_into_read_field(model_type: str, field: str, read: set[str]) -> bool:
@@ -128,10 +134,11 @@ def folded_into_read_field(model_type: str, field: str, read: set[str]) -> bool:
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_crosstrain_reads_the_fields_transformers_uses(model_type: str) -> None:
     assert set(FAMILIES) == set(ARCHITECTURES)  # a new native family needs its row here
-    theirs, ours = transformers_reads(model_type), set(READS[model_type]) - {"model_type"}
-    assert {"hidden_size", "rope_parameters", "rms_norm_eps"} <= theirs  # the scan finds fields at all
-    ignored = sorted(f for f in ours - theirs if not (f in FOLDED and folded_into_read_field(model_type, f, theirs)))
+    read, ours = transformers_reads(model_type), set(READS[model_type]) - {"model_type"}
+    assert {"hidden_size", "rope_parameters", "rms_norm_eps"} <= read  # the scan finds fields at all
+    ignored = sorted(f for f in ours - read if not (f in FOLDED and folded_into_read_field(model_type, f, read)))
     assert not ignored, f"crosstrain reads {ignored}, which transformers' {model_type} does not use"
+    theirs = read & set(getattr(transformers, FAMILIES[model_type][0])(**SHAPE).to_dict())  # this family's fields
     missing = sorted(theirs - ours - set(NO_MATH))
     assert not missing, f"transformers' {model_type} reads {missing}, which crosstrain ignores"
 
@@ -213,3 +220,26 @@ def test_a_gemma3_model_with_attention_softcapping_is_not_exported_as_gemma3(
     assert not (tmp_path / "a").exists()
     assert main(["export", str(tmp_path / "plain.safetensors"), "--format", "hf", "--out", str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "config.json").read_text())["model_type"] == "gemma3_text"
+
+
+def test_a_top_level_original_context_wins_as_in_transformers(tmp_path: Path) -> None:
+    """transformers' ``standardize_rope_params`` gives a top-level ``original_max_position_embeddings`` priority
+    over ``rope_parameters``' own for llama3/yarn/longrope (not only Phi-3's): a Llama yarn config.json with 32 at
+    the top and 128 inside gives transformers' logits (1e-5) in crosstrain."""
+    from crosstrain.kernels import registry
+    from crosstrain.models.hf import load_pretrained
+
+    cfg = transformers.LlamaConfig(**{**SHAPE, "vocab_size": 320},
+                                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    torch.manual_seed(5)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["rope_parameters"]["original_max_position_embeddings"] = 128
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "original_max_position_embeddings": 32}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert ref.config.rope_parameters["original_max_position_embeddings"] == 32
+    ours = load_pretrained(tmp_path).eval()
+    assert ours.config.rope_scaling["original_max_position_embeddings"] == 32
+    ids = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), registry.use_reference():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-5, rtol=0)

@@ -70,8 +70,8 @@ def _rope(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[float, d
     out = {k: v for k, v in src.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
     out["rope_type"] = kind
     if kind in ("llama3", "yarn", "longrope"):
-        # Phi-3 reads its top-level field; the others' configs fill rope_parameters' own (default: the context)
-        top = cfg.get("original_max_position_embeddings", 4096) if model_type == "phi3" else None
+        # a top-level field wins over rope_parameters' own (transformers' standardize_rope_params)
+        top = cfg.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
         out["original_max_position_embeddings"] = int(top or src.get("original_max_position_embeddings") or max_pos)
         if out.get("factor") is None:  # yarn/longrope: the ratio of the context lengths
             out["factor"] = max_pos / out["original_max_position_embeddings"]

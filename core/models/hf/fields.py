@@ -16,9 +16,10 @@ from typing import Any
 _SHAPE = ("model_type", "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
           "num_hidden_layers", "head_dim", "intermediate_size", "max_position_embeddings", "rms_norm_eps",
           "tie_word_embeddings")
-#: the rotary fields of the Llama-shaped families: v5 ``rope_parameters``, v4 ``rope_theta``/``rope_scaling`` and
-#: ``partial_rotary_factor`` (refused unless Phi-3), which their configs fold into ``rope_parameters``
-_ROPE = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+#: the rotary fields of the Llama-shaped families: v5 ``rope_parameters``, v4 ``rope_theta``/``rope_scaling``,
+#: ``partial_rotary_factor`` (refused unless Phi-3) and a top-level ``original_max_position_embeddings`` (llama3, yarn,
+#: longrope), which their configs fold into ``rope_parameters`` (``standardize_rope_params``)
+_ROPE = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings")
 _LLAMA = (*_SHAPE, *_ROPE, "hidden_act")
 #: Qwen's ``layer_types`` come from ``use_sliding_window`` and ``max_window_layers`` (Qwen2Config/Qwen3Config)
 _QWEN_WINDOWS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
@@ -31,7 +32,7 @@ READS: dict[str, tuple[str, ...]] = {
     "mistral": (*_LLAMA, "sliding_window"),
     "qwen2": (*_LLAMA, *_QWEN_WINDOWS),
     "qwen3": (*_LLAMA, "attention_bias", *_QWEN_WINDOWS),
-    "phi3": (*_LLAMA, "sliding_window", "original_max_position_embeddings"),  # longrope's switch (Phi3 modeling)
+    "phi3": (*_LLAMA, "sliding_window"),
     "olmo2": (*_LLAMA, "attention_bias"),
     "smollm3": (*_LLAMA, "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window", "layer_types",
                 "no_rope_layers", "no_rope_layer_interval"),
