@@ -1,7 +1,8 @@
 """The generic path refuses what it cannot train (issue 40), in one line, exit 2, before anything is written: an
-encoder (BERT, ELECTRA, CamemBERT: bidirectional attention), an encoder-decoder (T5), a Llama folder whose
+encoder (BERT, ELECTRA, CamemBERT, XLM: bidirectional attention), an encoder-decoder (T5), a Llama folder whose
 config.json says gpt2, and a checkpoint with one tensor missing and one extra. A tied head is not "missing", and
-``crosstrain models`` lists no encoder as trainable.
+``crosstrain models`` lists no encoder as trainable. What is accepted of a masked-LM type (BERT with ``is_decoder``,
+XLM with ``causal``) attends causally: changing the last tokens leaves the earlier positions' logits unchanged.
 
 Each folder is a random tiny model built with transformers' own classes and saved with ``save_pretrained``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["misfit"] = neox
     tied = AutoConfig.for_model("llama", **SHAPE, num_key_value_heads=2, tie_word_embeddings=True)
     out["tied"] = _save(AutoModelForCausalLM.from_config(tied), root / "tied")
+    for name, causal in (("xlm", False), ("xlm_causal", True)):  # XLM's own switch to a causal mask
+        xlm = AutoConfig.for_model("xlm", vocab_size=256, emb_dim=32, n_layers=2, n_heads=4, causal=causal)
+        out[name] = _save(AutoModelForCausalLM.from_config(xlm), root / name)
+    decoder = AutoConfig.for_model("bert", **SHAPE, is_decoder=True)
+    out["bert_decoder"] = _save(AutoModelForCausalLM.from_config(decoder), root / "bert_decoder")
     return out
 
 
@@ -67,6 +74,7 @@ def _train(folder: Path, out: Path) -> int:
     ("electra", ("encoder", "is_decoder=false")),
     ("camembert", ("encoder", "is_decoder=false")),
     ("t5", ("encoder-decoder", "T5ForConditionalGeneration", "decoder-only")),
+    ("xlm", ("encoder", "causal=false", "decoder-only")),
     ("gpt2_typed_llama", ("GPT2LMHeadModel", "missing", "unexpected", "model.embed_tokens.weight", "model_type")),
     ("misfit", ("1 missing (gpt_neox.layers.0.mlp.dense_4h_to_h.weight)", "1 unexpected (extra.weight)")),
 ])
@@ -80,6 +88,30 @@ def test_refused_in_one_line_with_exit_2_and_no_run_dir(folders: dict[str, Path]
     for word in words:
         assert word in line, line
     assert not out.exists()
+
+
+def _prefix_moves(logits: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """How far the logits of the first 8 positions move when the last 4 tokens change."""
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % 256
+    with torch.no_grad():
+        return float((logits(ids)[:, :8] - logits(changed)[:, :8]).abs().max())
+
+
+@pytest.mark.parametrize("name", ["xlm_causal", "bert_decoder", "tied"])
+def test_accepted_masked_lm_configs_attend_causally_and_train(folders: dict[str, Path], tmp_path: Path,
+                                                              name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from crosstrain.config import load_config
+    from crosstrain.recipes.lm import build_model
+
+    refused = AutoModelForCausalLM.from_pretrained(folders["xlm"]).eval()
+    assert _prefix_moves(lambda ids: refused(ids).logits) > 1e-3  # the check sees a bidirectional model
+    model = build_model(load_config(None, [f"model.init_from={folders[name]}", "model.source=transformers"])).eval()
+    assert _prefix_moves(model) == 0.0  # crosstrain's model of the folder
+    assert _train(folders[name], tmp_path / "runs") == 0
 
 
 def test_a_tied_head_is_not_missing(folders: dict[str, Path], tmp_path: Path) -> None:

@@ -170,8 +170,11 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str], *, ma
     cfg, torch_dtype = src.config, DTYPES[dtype]
     # the config of the model_type it was imported from (a plugin's, e.g. Mixtral, writes its own), else Llama's
     origin = find_adapter((src.base_config or {}).get("model_type")) or adapter_for("llama")
-    hf_config = origin.hf_config(cfg, base=src.base_config, dtype=dtype, eos_id=src.tokenizer.get("eos_id"),
-                                 shapes=src.shapes)
+    try:
+        hf_config = origin.hf_config(cfg, base=src.base_config, dtype=dtype, eos_id=src.tokenizer.get("eos_id"),
+                                     shapes=src.shapes)
+    except ValueError as exc:  # an option no Hugging Face family computes (Gemma 3 attention soft-capping, ...)
+        raise ExportError(f"{src.source}: {exc}; export it with --format safetensors or onnx") from None
     adapter = adapter_for(hf_config["model_type"])
     expected = _expected(cfg)  # then what plugins' modules added (MoE experts), in the source's order
     order = [n for n in [*expected, *(n for n in src.shapes if n not in expected)]

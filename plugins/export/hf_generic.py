@@ -2,7 +2,7 @@
 
 The checkpoint's tensors already have transformers' names; :mod:`crosstrain.models.generic.export` rebuilds the
 run's model and writes it with ``save_pretrained``. A Hugging Face folder whose ``model_type`` no native family
-imports loads on the generic path too (generation).
+imports loads on the generic path too (generation, ``--format hf`` export).
 """
 
 from __future__ import annotations
@@ -71,22 +71,26 @@ def load_generic_folder(folder: Path) -> Any:
 
 def export_generic(source: str | os.PathLike[str], out: Path, *, max_shard_size: str | int, dtype: str,
                    best: bool) -> dict[str, Any] | None:
-    """Export a generic run's checkpoint with ``save_pretrained``; None when ``source`` is not one."""
+    """Export a generic run's checkpoint, or a Hugging Face folder of a model_type no native family imports, with
+    ``save_pretrained``; None when ``source`` is neither."""
     from crosstrain.models.generic.export import save_hf
     from crosstrain.plugins.export.hf_export import DTYPES, _replace_dir, origin_folder
     from crosstrain.plugins.export.hf_generation import write_generation_files
 
     resolved = resolve_path(source, best=best)
-    config = generic_config(resolved)
-    if config is None:
-        return None
-    loaded = load_generic_checkpoint(resolved, config)
+    if resolved.kind == "hf" and is_generic_folder(resolved.path):
+        loaded, origin = load_generic_folder(resolved.path), resolved.path
+    else:
+        config = generic_config(resolved)
+        if config is None:
+            return None
+        loaded = load_generic_checkpoint(resolved, config)
+        origin = origin_folder(resolved.run_dir / "config.json") if resolved.run_dir is not None else None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         files = save_hf(loaded.model, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size)
-        origin = origin_folder(resolved.run_dir / "config.json") if resolved.run_dir is not None else None
         files = sorted({*files, *write_generation_files(loaded.tokenizer, origin, loaded.config, tmp)})
         shards = [f for f in files if f.endswith(".safetensors")]
         total = sum((tmp / f).stat().st_size for f in shards)

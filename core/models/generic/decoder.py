@@ -1,9 +1,9 @@
 """Which transformers models the generic path trains: decoder-only causal LMs, told from ``config.json`` alone.
 
 transformers gives an encoder (BERT, ELECTRA, RoBERTa) a causal-LM class too (``BertLMHeadModel``), but it attends
-causally only with ``is_decoder = true``; a plain encoder checkpoint would train as a causal LM with bidirectional
-attention (each position sees the token it predicts). An encoder-decoder (T5, BART, Whisper) has no decoder-only
-class for its whole checkpoint. Both are refused before anything is built.
+causally only with ``is_decoder = true`` (XLM: ``causal = true``); a plain encoder checkpoint would train as a causal
+LM with bidirectional attention (each position sees the token it predicts). An encoder-decoder (T5, BART, Whisper)
+has no decoder-only class for its whole checkpoint. Both are refused before anything is built.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 _HINT = "the generic path trains decoder-only causal LMs (crosstrain models lists them)"
+#: masked-LM types whose own config field switches their attention to causal: XLM's ``causal`` (modeling_xlm.py's
+#: ``get_masks`` builds the triangular mask from it; XLM's CLM pre-training)
+_CAUSAL_FIELD = {"xlm": "causal"}
 
 
 def _names() -> tuple[set[str], set[str], set[str]]:
@@ -42,7 +45,8 @@ def refusal(hf_config: dict[str, Any], where: str) -> str | None:
         return f"{where} is an encoder-decoder model ({arch}, is_encoder_decoder=true); {_HINT}"
     if model_type not in causal:
         return f"{where} is model_type {model_type!r} ({arch}), which has no causal-LM class in transformers; {_HINT}"
-    if model_type in masked and not hf_config.get("is_decoder"):
-        return (f"{where} is an encoder ({arch}, is_decoder=false: bidirectional attention, no causal mask), which "
+    field = _CAUSAL_FIELD.get(model_type, "is_decoder")
+    if model_type in masked and not hf_config.get("is_decoder") and not hf_config.get(field):
+        return (f"{where} is an encoder ({arch}, {field}=false: bidirectional attention, no causal mask), which "
                 f"would train as a causal LM that sees the tokens it predicts; {_HINT}")
     return None

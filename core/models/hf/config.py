@@ -15,10 +15,12 @@ importing a model that silently differs. Field meanings: transformers'
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from crosstrain.errors import ConfigError
 from crosstrain.models.gpt import GPTConfig
+from crosstrain.models.hf.fields import DeclaredFields
 from crosstrain.models.rope import ROPE_TYPES
 
 #: model_type -> the architecture name transformers' AutoModelForCausalLM maps it to.
@@ -41,7 +43,7 @@ _ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",)
               "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "longrope": ("short_factor", "long_factor")}
 
 
-def _rope(cfg: dict[str, Any], model_type: str, where: str) -> tuple[float, dict[str, Any] | None, float]:
+def _rope(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[float, dict[str, Any] | None, float]:
     """``(rope_theta, scaling, partial_rotary_factor)`` as transformers resolves them (``rope_scaling`` wins over
     ``rope_parameters``; ``original_max_position_embeddings`` and a missing yarn/longrope ``factor`` filled in)."""
     params = cfg.get("rope_parameters") or {}
@@ -68,6 +70,7 @@ def _rope(cfg: dict[str, Any], model_type: str, where: str) -> tuple[float, dict
     out = {k: v for k, v in src.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
     out["rope_type"] = kind
     if kind in ("llama3", "yarn", "longrope"):
+        # a top-level field wins over rope_parameters' own (transformers' standardize_rope_params)
         top = cfg.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
         out["original_max_position_embeddings"] = int(top or src.get("original_max_position_embeddings") or max_pos)
         if out.get("factor") is None:  # yarn/longrope: the ratio of the context lengths
@@ -77,7 +80,7 @@ def _rope(cfg: dict[str, Any], model_type: str, where: str) -> tuple[float, dict
     return theta, out, fraction
 
 
-def layer_windows(cfg: dict[str, Any], window: int, n_layers: int, where: str) -> tuple[int, ...]:
+def layer_windows(cfg: Mapping[str, Any], window: int, n_layers: int, where: str) -> tuple[int, ...]:
     """Per-layer windows from ``layer_types`` (``"sliding_attention"``: ``window``, ``"full_attention"``: 0), as
     transformers 5 configs list them; ``()`` when the config has none."""
     types = cfg.get("layer_types")
@@ -89,15 +92,17 @@ def layer_windows(cfg: dict[str, Any], window: int, n_layers: int, where: str) -
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
-def _windows(cfg: dict[str, Any], model_type: str, nope: tuple[int, ...], where: str) -> dict[str, Any]:
+def _windows(cfg: Mapping[str, Any], model_type: str, nope: tuple[int, ...], where: str) -> dict[str, Any]:
     """``sliding_window``/``layer_windows`` as transformers reads them: Mistral and Phi-3 window every layer; Qwen2,
     Qwen3 and SmolLM3 only with ``use_sliding_window``, on the layers ``layer_types`` marks (by default Qwen's from
     ``max_window_layers`` on, SmolLM3's NoPE layers: their configs' ``__post_init__``)."""
+    if model_type not in ("mistral", "phi3", "qwen2", "qwen3", "smollm3"):  # Llama and OLMo 2 read no window
+        return {}
     window = int(cfg.get("sliding_window") or 0)
     n_layers = int(cfg["num_hidden_layers"])
     if model_type in ("mistral", "phi3"):
         return {"sliding_window": window}
-    if model_type not in ("qwen2", "qwen3", "smollm3") or not cfg.get("use_sliding_window") or not window:
+    if not cfg.get("use_sliding_window") or not window:
         return {}
     types = cfg.get("layer_types")
     if not types and model_type == "smollm3":
@@ -108,7 +113,7 @@ def _windows(cfg: dict[str, Any], model_type: str, nope: tuple[int, ...], where:
     return {"layer_windows": layer_windows({"layer_types": types}, window, n_layers, where)}
 
 
-def _nope_layers(cfg: dict[str, Any], n_layers: int) -> tuple[int, ...]:
+def _nope_layers(cfg: Mapping[str, Any], n_layers: int) -> tuple[int, ...]:
     """SmolLM3's ``no_rope_layers`` (1 = rotary, 0 = NoPE per layer; default: NoPE every ``no_rope_layer_interval``-th
     layer, as SmolLM3Config builds it) -> the NoPE layer indices."""
     flags = cfg.get("no_rope_layers")
@@ -126,9 +131,9 @@ def ignored_dropout(cfg: dict[str, Any]) -> dict[str, float]:
             and float(v) > 0}
 
 
-def gpt_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTConfig:
+def gpt_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> GPTConfig:
     """The GPTConfig of a ``config.json`` of a family in :data:`ARCHITECTURES`; unsupported options are a one-line
-    ConfigError naming the field."""
+    ConfigError naming the field. Only the family's fields in :data:`~crosstrain.models.hf.fields.READS` are read."""
     model_type = cfg.get("model_type")
     if model_type in ("gemma2", "gemma3_text"):
         from crosstrain.models.hf.gemma import gemma_config_from_hf
@@ -137,10 +142,11 @@ def gpt_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTCo
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{where}: model_type={model_type!r} is not supported; crosstrain imports "
                           f"{', '.join(ARCHITECTURES)} checkpoints")
+    cfg = DeclaredFields(cfg, str(model_type))
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError(f"{where}: hidden_act={act!r} is not supported; crosstrain's MLP is SwiGLU (silu)")
-    attention_bias = bool(cfg.get("attention_bias")) and model_type in _ATTENTION_BIAS
+    attention_bias = model_type in _ATTENTION_BIAS and bool(cfg.get("attention_bias"))
     theta, scaling, fraction = _rope(cfg, model_type, where)
     try:
         dim, heads, n_layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
@@ -154,7 +160,7 @@ def gpt_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTCo
             qkv_bias=model_type == "qwen2" or attention_bias, rope_scaling=scaling, rotary_fraction=fraction,
             attn_head_dim=head_dim if head_dim * heads != dim else 0,
             qk_norm={"qwen3": "head", "olmo2": "proj"}.get(model_type, ""), out_bias=attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias")) and model_type in _MLP_BIAS, post_norm=model_type == "olmo2",
+            mlp_bias=model_type in _MLP_BIAS and bool(cfg.get("mlp_bias")), post_norm=model_type == "olmo2",
             nope_layers=nope, **_windows(cfg, model_type, nope, where),
         )
     except KeyError as exc:

@@ -4,32 +4,38 @@ Gemma is the built-in GPT with (Gemma Team 2024, "Gemma 2", sec. 2; transformers
 ``modeling_gemma3.py``): embeddings times ``sqrt(hidden_size)``, RMSNorm scaling by ``1 + w``, a norm before *and*
 after attention and the MLP ("sandwich"), GeGLU with tanh GELU, softmax scale ``query_pre_attn_scalar ** -0.5``,
 alternating local (sliding window) and global layers (``layer_types``), tied embeddings; Gemma 2 soft-caps
-attention and final logits (``cap * tanh(x / cap)``); Gemma 3 normalises q and k per head, rotates its local
-layers with ``rope_local_base_freq`` and may scale its global layers' rope ``linear``ly. Options the GPT does not
-compute are refused in one line naming the field.
+attention and final logits (``cap * tanh(x / cap)``); Gemma 3 soft-caps the final logits only (transformers 5's
+Gemma 3 stores ``attn_logit_softcapping`` and never applies it, so crosstrain does not read it), normalises q and k
+per head, rotates its local layers with ``rope_local_base_freq`` and may scale its global layers' rope ``linear``ly.
+Options the GPT does not compute are refused in one line naming the field.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from crosstrain.errors import ConfigError
 from crosstrain.models.gpt import GPTConfig
+from crosstrain.models.hf.fields import DeclaredFields
 
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 #: transformers' default ``layer_types`` period: one global layer every N (Gemma 2: 2, Gemma 3: 6).
 _PATTERN = {"gemma2": 2, "gemma3_text": 6}
 
 
-def _layer_types(cfg: dict[str, Any], model_type: str, n_layers: int) -> list[str]:
-    """``layer_types``, or transformers' default: sliding unless ``(i + 1) % pattern == 0``."""
+def _layer_types(cfg: Mapping[str, Any], model_type: str, n_layers: int) -> list[str]:
+    """``layer_types``, or transformers' default: sliding unless ``(i + 1) % pattern == 0`` (Gemma 3's pattern from
+    ``sliding_window_pattern``; Gemma2Config's is always 2)."""
     if cfg.get("layer_types"):
         return list(cfg["layer_types"])
-    pattern = int(cfg.get("sliding_window_pattern") or _PATTERN[model_type])
+    pattern = _PATTERN[model_type]
+    if model_type == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern") or pattern)
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
 
 
-def _rope(cfg: dict[str, Any], model_type: str, where: str) -> tuple[float, float, dict[str, Any] | None]:
+def _rope(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[float, float, dict[str, Any] | None]:
     """(global theta, local theta or 0, the global layers' scaling) from v5 ``rope_parameters`` (per layer type for
     Gemma 3, whose v4 ``rope_scaling`` applies to its global layers) or v4 fields. Gemma 3 4B+ scale their global
     layers ``linear``ly; any other scaling is refused."""
@@ -61,10 +67,12 @@ def _rope(cfg: dict[str, Any], model_type: str, where: str) -> tuple[float, floa
     return float(full["rope_theta"]), float(local.get("rope_theta", 0.0)), global_scaling
 
 
-def gemma_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPTConfig:
-    """The GPTConfig of a ``gemma2``/``gemma3_text`` ``config.json``; unsupported options are a one-line error."""
+def gemma_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> GPTConfig:
+    """The GPTConfig of a ``gemma2``/``gemma3_text`` ``config.json``; unsupported options are a one-line error.
+    Gemma 3's ``attn_logit_softcapping`` is not read: transformers' Gemma 3 stores it and never applies it."""
     model_type = str(cfg["model_type"])
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    cfg = DeclaredFields(cfg, model_type)
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"{where}: hidden_activation={act!r} is not supported; crosstrain's Gemma MLP is GeGLU "
                           "with tanh GELU (gelu_pytorch_tanh)")
@@ -91,7 +99,7 @@ def gemma_config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> GPT
             layer_windows=windows, rope_scaling=scaling,
             local_rope_theta=local_theta if local_theta != theta or scaling else 0.0,
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
             embed_scale=True, norm_plus_one=True, sandwich_norm=True, mlp_act="gelu_tanh",
         )
@@ -110,6 +118,9 @@ def hf_config_from_gemma(
 ) -> dict[str, Any]:
     """A Gemma ``config.json`` for ``cfg`` (``base``'s other fields kept when it is the imported config)."""
     model_type = gemma_model_type(cfg)
+    if model_type == "gemma3_text" and cfg.attn_softcap:
+        raise ValueError(f"attn_softcap={cfg.attn_softcap} has no Gemma 3 field: transformers' Gemma 3 stores "
+                         "attn_logit_softcapping and never applies it")
     out: dict[str, Any] = {}
     if base is not None and base.get("model_type") == model_type:
         out.update({k: v for k, v in base.items() if not k.startswith("_")})
@@ -130,9 +141,13 @@ def hf_config_from_gemma(
         "query_pre_attn_scalar": out.get("query_pre_attn_scalar", scalar),
         "sliding_window": window or None,
         "layer_types": ["sliding_attention" if w else "full_attention" for w in windows],
-        "attn_logit_softcapping": cfg.attn_softcap or None, "final_logit_softcapping": cfg.final_softcap or None,
+        "final_logit_softcapping": cfg.final_softcap or None,
         "attention_bias": cfg.out_bias, "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
     })
+    if model_type == "gemma2":
+        out["attn_logit_softcapping"] = cfg.attn_softcap or None
+    else:  # inert in transformers' Gemma 3 (gemma_config_from_hf): an imported config keeps its own value
+        out.setdefault("attn_logit_softcapping", None)
     if model_type == "gemma3_text":
         local = cfg.local_rope_theta or cfg.rope_theta
         out["rope_parameters"] = {"full_attention": {"rope_type": "default", **(cfg.rope_scaling or {}),
