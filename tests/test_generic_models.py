@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import shared_ranks
 import torch
+from causal_check import prefix_moves
 from in_process import crosstrain_main
 from one_line import raises_one_line
 
@@ -79,6 +80,17 @@ def _fit(sets: list[str], out: Path) -> dict[str, Any]:
     from crosstrain.engine import Trainer
 
     return Trainer(load_config(None, [*sets, f"train.output_dir={out}"]), run_dir=out).fit()
+
+
+def test_every_family_attends_causally(folders: dict[str, Path]) -> None:
+    """Next-token training must not see the future: for every family, crosstrain's model of the folder keeps the
+    prefix logits unchanged when the suffix changes (issue 40: an encoder trained as a causal LM moved them)."""
+    from crosstrain.config import load_config
+    from crosstrain.recipes.lm import build_model
+
+    for model_type, folder in folders.items():
+        model = build_model(load_config(None, [f"model.init_from={folder}", "model.source=transformers"])).eval()
+        assert prefix_moves(model) == 0.0, model_type
 
 
 def _one_process(sets: list[str], out: Path) -> dict[str, Any]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from causal_check import prefix_moves
 from in_process import crosstrain_main
 from one_line import one_line_error
 
@@ -90,15 +90,6 @@ def test_refused_in_one_line_with_exit_2_and_no_run_dir(folders: dict[str, Path]
     assert not out.exists()
 
 
-def _prefix_moves(logits: Callable[[torch.Tensor], torch.Tensor]) -> float:
-    """How far the logits of the first 8 positions move when the last 4 tokens change."""
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-    changed = ids.clone()
-    changed[:, 8:] = (changed[:, 8:] + 1) % 256
-    with torch.no_grad():
-        return float((logits(ids)[:, :8] - logits(changed)[:, :8]).abs().max())
-
-
 @pytest.mark.parametrize("name", ["xlm_causal", "bert_decoder", "tied"])
 def test_accepted_masked_lm_configs_attend_causally_and_train(folders: dict[str, Path], tmp_path: Path,
                                                               name: str) -> None:
@@ -108,9 +99,9 @@ def test_accepted_masked_lm_configs_attend_causally_and_train(folders: dict[str,
     from crosstrain.recipes.lm import build_model
 
     refused = AutoModelForCausalLM.from_pretrained(folders["xlm"]).eval()
-    assert _prefix_moves(lambda ids: refused(ids).logits) > 1e-3  # the check sees a bidirectional model
+    assert prefix_moves(lambda ids: refused(ids).logits) > 1e-3  # the check sees a bidirectional model
     model = build_model(load_config(None, [f"model.init_from={folders[name]}", "model.source=transformers"])).eval()
-    assert _prefix_moves(model) == 0.0  # crosstrain's model of the folder
+    assert prefix_moves(model) == 0.0  # crosstrain's model of the folder
     assert _train(folders[name], tmp_path / "runs") == 0
 
 
