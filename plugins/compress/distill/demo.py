@@ -31,7 +31,7 @@ from crosstrain.engine import Trainer
 COMMON = ["train.seq_len=64", "eval.max_batches=10", "eval.batch_size=16", "checkpoint.every=0",
           "checkpoint.every_minutes=0", "logging.every=20", "logging.tensorboard=false", "parallel.compile=false",
           "optim.lr=3e-3", "schedule.warmup_steps=10"]
-TEACHER = ["model.preset=small", "train.batch_size=16"]
+TEACHER = ["model.preset=small", "train.batch_size=8"]
 #: a small student batch: its labels are noisy at the grammar's choice points, which the teacher's soft targets
 #: average out (docs/compress.md, Benchmark: with 16 sequences a step the two students end equal)
 STUDENT = ["model.preset=tiny", "train.batch_size=4"]

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 
-EVERY_S = 2.0
+EVERY_S = 10.0
 PREFIX = "crosstrain: distill cache:"
 
 
