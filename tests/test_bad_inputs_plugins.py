@@ -56,6 +56,10 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ("dpo-max-length-too-long", _tr("dpo", "rlhf.max_length=100000"), "exceeds the model's max_seq_len", ""),
     ("sft-packing-documents", _tr("sft", "data.packing=documents"), "does not pack documents", ""),
     ("rm-packing-documents", _tr("rm", "data.packing=documents"), "does not pack documents", ""),
+    # -- distill (tests/test_distill_recipe.py has the cases that need a cache file)
+    ("distill-no-teacher", _tr("distill"), "needs a teacher: set distill.teacher", ""),
+    ("distill-top-k-above-vocab", _tr("distill", "distill.teacher={run}", "distill.top_k_logits=100000"),
+     "distill.top_k_logits=100000 exceeds the vocabulary of 256 tokens", ""),
     # -- lora
     *[_cfg("sft", k, v) for k, v in [("lora.rank", "-1"), ("lora.alpha", "0"), ("lora.dropout", "1"),
                                       ("lora.dropout", "-0.5")]],

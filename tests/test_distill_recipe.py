@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def teacher(tmp_path_factory) -> Path:
     return run
 
 
-def test_two_ranks_equal_one_and_the_cache_equals_the_online_teacher(teacher, tmp_path) -> None:
+def test_two_ranks_equal_one_and_the_cache_equals_the_online_teacher(teacher, tmp_path, capsys) -> None:
     sets = (f"distill.teacher={teacher}", *KD, "train.steps=4", "eval.every=2", "export.safetensors=true")
     one = _train(tmp_path / "one", *sets)
     record = one["distill"]["teacher"]
@@ -84,8 +85,15 @@ def test_two_ranks_equal_one_and_the_cache_equals_the_online_teacher(teacher, tm
     argv = ["distill", "cache", str(teacher), "--out", str(cache), "--top-k", "16"]
     for s in (*STUDENT, *KD):
         argv += ["--set", s]
+    capsys.readouterr()
     assert crosstrain_main(argv) == 0
-    cached = _train(tmp_path / "cached", *(s for s in sets if "teacher=" not in s), f"distill.cache={cache}")
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("crosstrain: distill cache:")]
+    for split in ("train", "eval"):  # each split's start and end, whatever the machine's speed between them
+        assert any(re.fullmatch(rf"crosstrain: distill cache: {split}: 0/\d+ samples", x) for x in progress), progress
+        assert any(re.fullmatch(rf"crosstrain: distill cache: {split}: (\d+)/\1 samples \(100%\), [\d.]+ s, done", x)
+                   for x in progress), progress
+    # beside distill.cache, distill.teacher names whose output the cache must hold: this one's, so it runs
+    cached = _train(tmp_path / "cached", *sets, f"distill.cache={cache}")
     assert "teacher" not in cached.get("models", {})  # no teacher model in memory
     assert cached["distill"]["teacher"]["sha256"] == record["sha256"]
     for a, b in zip(one["losses"], cached["losses"], strict=True):
@@ -156,21 +164,26 @@ def test_bad_inputs_are_one_line_and_write_nothing(teacher, tmp_path, capsys) ->
     for key, value in (("loss_temperature", "0"), ("loss_temperature", "-1"), ("alpha", "1.5"), ("alpha", "-0.1"),
                        ("beta", "2"), ("on_policy", "1.1"), ("loss", "kl")):
         assert f"distill.{key}" in _bad(tmp_path, capsys, f"distill.teacher={teacher}", f"distill.{key}={value}")
+    assert "exceeds the vocabulary of 256 tokens" in _bad(tmp_path, capsys, f"distill.teacher={teacher}",
+                                                           "distill.top_k_logits=257")
     assert "unset distill.cache" in _bad(tmp_path, capsys, f"distill.cache={file}", "distill.on_policy=0.5")
     assert "not a distillation cache" in _bad(tmp_path, capsys, f"distill.cache={file}")
 
 
-def test_demo_trains_a_teacher_and_distills_it_in_one_command(tmp_path, capsys) -> None:
-    capsys.readouterr()
-    argv = ["distill", "demo", "--run-dir", str(tmp_path / "demo"), "--teacher-steps", "2", "--steps", "2"]
-    for s in ("train.seq_len=32", "train.batch_size=4", "eval.steps=2", "eval.batch_size=4", "logging.progress=none",
-              "backend=cpu"):
+def test_a_cache_written_by_another_teacher_is_refused(teacher, tmp_path, capsys) -> None:
+    """Two real teachers of the same shape (seeds 0 and 1): the cache of one, distill.teacher the other."""
+    other = tmp_path / "other"
+    assert crosstrain_main(_argv(other, *TEACHER, "train.seed=1", recipe="lm")) == 0
+    cache = tmp_path / "top4.safetensors"
+    argv = ["distill", "cache", str(teacher), "--out", str(cache), "--top-k", "4"]
+    for s in STUDENT:
         argv += ["--set", s]
     assert crosstrain_main(argv) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    summary = json.loads((tmp_path / "demo" / "student" / "summary.json").read_text())
-    assert summary["recipe"] == "distill" and summary["distill"]["teacher"]["source"].endswith("step_2")
-    assert result["eval_nll_teacher"] > 0 and result["eval_nll_student"] > 0
+    before = cache.read_bytes()
+    line = _bad(tmp_path, capsys, f"distill.cache={cache}", f"distill.teacher={other}")
+    assert f"written by teacher {teacher.resolve()}" in line and f"distill.teacher is {other.resolve()}" in line
+    assert f"rebuild the cache with `crosstrain distill cache {other.resolve()}" in line
+    assert cache.read_bytes() == before
 
 
 @pytest.mark.parametrize("layout", [("parallel.dp_shard=1", "parallel.tp=2"), ("parallel.dp_replicate=2",

@@ -46,9 +46,3 @@ class DistillSection(BaseModel):
                              "softmax temperature, loss x T^2) or distill.sample_temperature (on-policy sampling, "
                              "TRL GKDConfig.temperature)")
         return data
-
-    @property
-    def temperature(self) -> float:
-        """The loss temperature under its former attribute name, read by the cache writer (distill/cli.py, cache.py
-        belong to another change; switch them to ``loss_temperature`` and delete this)."""
-        return self.loss_temperature

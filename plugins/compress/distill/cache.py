@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,10 @@ def payload_sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 
 @torch.no_grad()
-def compute(teacher: nn.Module, dataset: DistillDataset, k: int, temperature: float,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compute(teacher: nn.Module, dataset: DistillDataset, k: int, temperature: float, device: torch.device,
+            on_batch: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids int32, logps fp32) [N, T, k]``: the teacher's top-k at every position of every sample, and its
-    NLL of each target ``[N, T]``."""
+    NLL of each target ``[N, T]``; ``on_batch(samples_done)`` after each batch (the CLI's progress lines)."""
     import torch.nn.functional as F
 
     ids, logps, nll = [], [], []
@@ -53,6 +54,8 @@ def compute(teacher: nn.Module, dataset: DistillDataset, k: int, temperature: fl
         ids.append(top.ids.to(torch.int32).cpu())
         logps.append(top.logps.float().cpu())
         nll.append(F.cross_entropy(logits.float().transpose(1, 2), b.targets.to(device), reduction="none").cpu())
+        if on_batch is not None:
+            on_batch(min(start + BATCH, len(dataset)))
     return torch.cat(ids), torch.cat(logps), torch.cat(nll)
 
 
@@ -103,6 +106,16 @@ class Cache:
                 raise ConfigError(f"distill.cache {self.path} was written for another {key.replace('_sha256', '')} "
                                   f"({self.meta.get(key)!r}, this run has {value!r}); write the cache again with "
                                   "this run's --config/--set")
+
+    def check_teacher(self, source: str, sha256: str) -> None:
+        """With ``distill.teacher`` set beside ``distill.cache``, the cache must hold that teacher's output (the same
+        weights, by SHA-256): a cache of another teacher would train silently on the wrong targets."""
+        wrote, wrote_sha = self.meta.get("teacher_source"), str(self.meta.get("teacher_sha256"))
+        if wrote_sha != sha256:
+            raise ConfigError(f"distill.cache {self.path} was written by teacher {wrote} (sha256 {wrote_sha[:12]}...) "
+                              f"but distill.teacher is {source} (sha256 {sha256[:12]}...); rebuild the cache with "
+                              f"`crosstrain distill cache {source} --out {self.path}` and this run's --config/--set, "
+                              "or unset distill.teacher")
 
     def split(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.tensors[f"{name}_ids"], self.tensors[f"{name}_logps"], self.tensors[f"{name}_nll"]

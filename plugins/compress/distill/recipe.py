@@ -51,18 +51,25 @@ class DistillRecipe(Recipe):
             from crosstrain.plugins.compress.distill.cache import Cache
 
             self.cache = Cache(sec.cache)
-        else:
+        if sec.teacher or not sec.cache:  # beside a cache, the teacher names whose output the cache must hold
             check_source(sec.teacher)
         if sec.on_policy > 0 and config.parallel.pp > 1:
             raise ConfigError("distill.on_policy > 0 cannot sample from a pipeline stage; set parallel.pp=1")
-        self.dataset, self.eval_dataset, self.split = ddata.build(config)
+        self.dataset, self.eval_dataset, self.split = ddata.build(config)  # the data's checks, tokenizer included
+        vocab = gpt_config(config).vocab_size
+        if sec.top_k_logits > vocab:  # torch.topk would fail in the first step, after the run dir exists
+            raise ConfigError(f"distill.top_k_logits={sec.top_k_logits} exceeds the vocabulary of {vocab} tokens; set "
+                              f"distill.top_k_logits <= {vocab} (0 = the whole vocabulary)")
         if self.cache is not None:
-            self._attach_cache(config)
+            self._attach_cache(config, vocab)
 
-    def _attach_cache(self, config: Config) -> None:
+    def _attach_cache(self, config: Config, vocab: int) -> None:
         assert self.dataset is not None
         splits = {"train": self.dataset, **({"eval": self.eval_dataset} if self.eval_dataset is not None else {})}
-        self.cache.check(ddata.fingerprint(splits), self.sec.loss_temperature, gpt_config(config).vocab_size)
+        self.cache.check(ddata.fingerprint(splits), self.sec.loss_temperature, vocab)
+        if self.sec.teacher:  # loaded only to hash its weights; the run reads the cache
+            teacher = load_teacher(self.sec.teacher, vocab)
+            self.cache.check_teacher(teacher.source, teacher.sha256)
         k = int(self.cache.meta["top_k"])
         if self.sec.top_k_logits > k:
             raise ConfigError(f"distill.top_k_logits={self.sec.top_k_logits} exceeds the {k} tokens per position "
