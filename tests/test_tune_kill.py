@@ -74,7 +74,7 @@ def test_sigkill_then_same_command_resumes_exactly_and_prunes(tmp_path: Path) ->
     assert again.returncode == 0, again.stderr
     result = json.loads(again.stdout.strip().splitlines()[-1])
     assert set(result) == {"study", "storage", "best_value", "best_params", "best_run_dir", "complete", "pruned",
-                           "failed"}
+                           "failed", "retried"}
     assert (result["complete"], result["pruned"], result["failed"]) == (1, 1, 0)
     assert "resuming trial 0" in again.stderr
     study = optuna.load_study(study_name="space", storage=result["storage"])

@@ -157,8 +157,8 @@ def _record(search: Any, state: dict[str, Any], root: Path) -> dict[str, Any]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cfg = search.base
-    study = load_study(search.study_name, open_storage(search.storage_url), search.settings, search.params,
-                       cfg.train.steps, cfg.eval.every or cfg.train.steps)
+    study = load_study(search.study_name, open_storage(search.storage_url, search.storage_given), search.settings,
+                       search.params, cfg.train.steps, cfg.eval.every or cfg.train.steps, search.record)
     dists = {p.key: distribution(p) for p in search.params}
     with study_lock(search.out, search.study_name):
         recorded = {t.user_attrs.get("run_dir") for t in study.get_trials(deepcopy=False)}
