@@ -225,7 +225,8 @@ def _failed(search: Search, study: Any, trial: Any, code: int | None, line: str,
     free = free_bytes(trial.user_attrs["run_dir"])
     cause = environment_cause(code, line, free) if search.settings.retries else None
     exit_text = "could not start" if code is None else f"exit {code}"
-    print(f"crosstrain tune: trial {trial.number} failed ({exit_text}): {line}", file=log, flush=True)
+    print(f"crosstrain tune: trial {trial.number} failed ({exit_text}): {line or '(no output)'}", file=log,
+          flush=True)
     if cause is None:
         study.tell(trial, state=TrialState.FAIL)
         return
@@ -237,7 +238,8 @@ def _failed(search: Search, study: Any, trial: Any, code: int | None, line: str,
         enqueue_retry(study, frozen)
     if search.attempts[first] > search.settings.retries:  # the workers start nothing more
         search.errors.append(CrosstrainError(
-            f"trial {first}'s parameters failed {search.attempts[first]} times from the machine ({cause}: {line}); "
+            f"trial {first}'s parameters failed {search.attempts[first]} times from the machine "
+            f"({cause}{': ' + line if line else ''}); "
             "they stay queued: fix the cause and run the same command (tune.retries sets the retries per run)"))
         return
     print(f"crosstrain tune: {cause}: trial {trial.number}'s parameters queued again (try "

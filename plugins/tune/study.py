@@ -158,8 +158,11 @@ class Claim:
         except BlockingIOError:
             os.close(fd)
             return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        try:  # who holds it, for a person looking: the lock is the flock, so a full disk does not matter here
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        except OSError:
+            pass
         self._fd = fd
         return True
 
@@ -205,9 +208,9 @@ def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None,
             if _state(study, t.number) == TrialState.RUNNING:
                 return optuna.trial.Trial(study, t._trial_id), dict(t.params), claim, True
             claim.release()
-        if slots_taken(trials) >= limit:
-            return None
         waiting = any(t.state == TrialState.WAITING for t in trials)
+        if slots_taken(trials) >= limit and not waiting:  # a WAITING trial (a retry) already has its slot
+            return None
         if enqueue is not None and not trials:
             study.enqueue_trial(enqueue, user_attrs={"base_config": True, TUNER: here})
         elif not waiting and not local and settings.sampler != "grid":
