@@ -50,22 +50,22 @@ def open_storage(url: str, given: bool = True) -> Any:
             raise storage_error(exc, url, given) from None
     kwargs: dict[str, Any] = {}
     lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    lock_path = None
+    new_lock: Path | None = None
     if url.startswith("sqlite"):
         kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
         path = url.split(":///", 1)[-1]
         if path and path != ":memory:":
             # two tuners opening a new database at once would both create its tables ("table studies already
             # exists"): the first to hold the lock creates them, the others find them
-            lock_path = Path(path).with_name(Path(path).name + ".lock")
-            lock_path = None if lock_path.exists() else lock_path  # removed again if the database cannot be opened
-            lock = _file_lock(Path(path).with_name(Path(path).name + ".lock"))
+            lock_file = Path(path).with_name(Path(path).name + ".lock")
+            new_lock = None if lock_file.exists() else lock_file  # removed again if the database cannot be opened
+            lock = _file_lock(lock_file)
     try:
         with lock:
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     except Exception as exc:  # a URL SQLAlchemy cannot open: a bad host, a password, not a database
-        if lock_path is not None:
-            lock_path.unlink(missing_ok=True)
+        if new_lock is not None:
+            new_lock.unlink(missing_ok=True)
         raise storage_error(exc, url, given) from None
 
 
