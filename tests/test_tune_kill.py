@@ -74,7 +74,7 @@ def test_sigkill_then_same_command_resumes_exactly_and_prunes(tmp_path: Path) ->
     assert again.returncode == 0, again.stderr
     result = json.loads(again.stdout.strip().splitlines()[-1])
     assert set(result) == {"study", "storage", "best_value", "best_params", "best_run_dir", "complete", "pruned",
-                           "failed"}
+                           "failed", "retried"}
     assert (result["complete"], result["pruned"], result["failed"]) == (1, 1, 0)
     assert "resuming trial 0" in again.stderr
     study = optuna.load_study(study_name="space", storage=result["storage"])
@@ -107,3 +107,54 @@ def test_sigkill_then_same_command_resumes_exactly_and_prunes(tmp_path: Path) ->
     for png in ("history.png", "intermediate.png"):
         assert (out / "report" / png).read_bytes()[:4] == b"\x89PNG"
     assert (out / "report" / "best_run" / "report.html").is_file()
+
+
+SIX = """[tune]
+pruner = "none"
+sampler = "random"
+[space]
+"optim.lr" = { low = 1e-3, high = 3e-3, log = true }
+"""
+
+
+def test_sigkill_then_same_command_finishes_all_six_trials(tmp_path: Path) -> None:
+    """Two deaths a tuner can die: SIGKILL during trial 1 (the real tuner process), and SIGKILL between asking
+    Optuna for trial 2 and naming its run dir (a real process that asks as the tuner does and is killed there).
+    Neither leaves a trial RUNNING forever: the same command ends with 6 of 6 trials COMPLETE."""
+    import optuna
+    from optuna.trial import TrialState
+
+    space, out = tmp_path / "space.toml", tmp_path / "out"
+    space.write_text(SIX)
+    sets = _sets([s for s in TINY if not s.startswith(("train.steps", "eval.every"))] + ["train.steps=4",
+                                                                                        "eval.every=2"])
+    cmd = [sys.executable, "-m", "crosstrain", "tune", str(space), "--trials", "6", "--out", str(out), "--json", *sets]
+    trial1 = out / "space" / "trial_0001"
+    tuner = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (trial1 / "checkpoints" / "step_2").is_dir() and tuner.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    os.kill(tuner.pid, signal.SIGKILL)
+    tuner.wait(timeout=60)
+    assert not (trial1 / "summary.json").exists(), "trial 1 finished before the tuner could be killed"
+    deadline = time.time() + 30
+    while _processes_mentioning(str(out)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _processes_mentioning(str(out)) == []
+    storage = f"sqlite:///{out.resolve() / 'tune.db'}"
+    asker = subprocess.run([sys.executable, "-c", "import optuna, os, signal; optuna.load_study(study_name='space', "
+                            f"storage={storage!r}).ask(); os.kill(os.getpid(), signal.SIGKILL)"], timeout=120)
+    assert asker.returncode == -signal.SIGKILL
+    study = optuna.load_study(study_name="space", storage=storage)
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE, TrialState.RUNNING, TrialState.RUNNING]
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout.strip().splitlines()[-1])
+    assert (result["complete"], result["pruned"], result["failed"], result["retried"]) == (6, 0, 0, 0)
+    assert "resuming trial 1" in again.stderr and "starting trial 2" in again.stderr
+    trials = study.get_trials()
+    assert [t.number for t in trials] == list(range(6)) and all(t.state == TrialState.COMPLETE for t in trials)
+    for t in trials:
+        summary = json.loads((Path(t.user_attrs["run_dir"]) / "summary.json").read_text())
+        assert summary["steps"] == 4 and summary["eval_loss"] == t.value

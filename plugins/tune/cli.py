@@ -42,6 +42,13 @@ def check_extra() -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    others = [flag for flag, given in (("SPACE", args.space), ("--report", args.report),
+                                       ("--throughput", args.throughput)) if given]
+    if args.example and others:
+        raise ConfigError(f"--example only prints the example space file; drop {' and '.join(others)} (or run "
+                          "without --example)")
+    if args.report is not None and args.throughput:
+        raise ConfigError("--report writes a finished search's plots and --throughput runs a search; pass one")
     if args.example:
         from importlib import resources
 

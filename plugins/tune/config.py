@@ -40,6 +40,9 @@ class SearchSettings(BaseModel):
     warmup_steps: int = Field(default=0, ge=0, description="median pruner: no pruning before this step")
     base_first: bool = Field(default=True, description="the first trial is the base config (when it lies in the "
                              "space), so the best is never worse than it")
+    retries: int = Field(default=2, ge=0, description="a trial that failed because of its machine (no disk space, "
+                         "killed by a signal, a lost rank) is run again with its parameters up to this many times "
+                         "per tuner run, and does not count among --trials; 0: such a trial is an ordinary failure")
     strategy: Literal["optuna", "pbt"] = "optuna"
     population: int = Field(default=4, ge=2, description="pbt: members trained together")
     rounds: int = Field(default=3, ge=1, description="pbt: rounds; train.steps is split evenly between them")

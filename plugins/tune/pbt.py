@@ -61,6 +61,7 @@ def run_pbt(settings: SearchSettings, params: list[Param], name: str, **common: 
                           f"{settings.metric!r} is not one: use metric = 'eval_loss'")
     common["trials"] = settings.population  # the population is the number of trials
     search = prepare(settings, params, name, **{**common, "trials": settings.population})
+    _open_study(search)  # another space or base config under this --study: refused before any round trains
     steps = search.base.train.steps
     rounds = settings.rounds
     if steps % rounds:
@@ -147,17 +148,28 @@ def _write(path: Path, state: dict[str, Any]) -> None:
     atomic_write(path, json.dumps(state, indent=1))
 
 
+def _open_study(search: Any) -> Any:
+    """The study of the members (created, or continued when its space and base config are this search's)."""
+    import optuna
+
+    from crosstrain.plugins.tune.study import load_study, open_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if not search.storage_given:
+        search.out.mkdir(parents=True, exist_ok=True)  # the study database is in it
+    cfg = search.base
+    return load_study(search.study_name, open_storage(search.storage_url, search.storage_given), search.settings,
+                      search.params, cfg.train.steps, cfg.eval.every or cfg.train.steps, search.record)
+
+
 def _record(search: Any, state: dict[str, Any], root: Path) -> dict[str, Any]:
     """Add the members to the study as finished trials (once) and return the result line."""
     import optuna
 
     from crosstrain.plugins.tune.search import result
-    from crosstrain.plugins.tune.study import load_study, open_storage, study_lock
+    from crosstrain.plugins.tune.study import study_lock
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    cfg = search.base
-    study = load_study(search.study_name, open_storage(search.storage_url), search.settings, search.params,
-                       cfg.train.steps, cfg.eval.every or cfg.train.steps)
+    study = _open_study(search)
     dists = {p.key: distribution(p) for p in search.params}
     with study_lock(search.out, search.study_name):
         recorded = {t.user_attrs.get("run_dir") for t in study.get_trials(deepcopy=False)}

@@ -41,7 +41,7 @@ def report(context: Any, step: int, metrics: dict[str, float]) -> bool:
     with warnings.catch_warnings():  # a resumed trial re-reports a step it reported before: Optuna keeps the first
         warnings.simplefilter("ignore")
         trial.report(float(value), step)
-    if not trial.should_prune():
+    if step >= context.config.train.steps or not trial.should_prune():  # at its last step the trial has finished
         return False
     trial.set_user_attr(PRUNED_AT, step)
     context.emit_event("tune_pruned", f"crosstrain: trial pruned at step {step} ({section.intermediate} "

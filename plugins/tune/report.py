@@ -23,7 +23,7 @@ def _study(folder: Path, storage: str | None, study: str | None) -> Any:
         raise ConfigError(f"{str(folder)!r} holds no tune.db; pass the --out folder of a crosstrain tune search, "
                           "or --storage URL")
     url = storage or default_storage(folder)
-    backend = open_storage(url)
+    backend = open_storage(url, given=storage is not None)
     names = [s.study_name for s in optuna.get_all_study_summaries(backend, include_best_trial=False)]
     if study is None:
         if len(names) != 1:

@@ -36,9 +36,12 @@ class Search:
     command: TrialCommand
     base: Any
     enqueue: dict[str, Any] | None
+    record: dict[str, Any]
+    storage_given: bool
     errors: list[BaseException] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)
     running: set[Any] = field(default_factory=set)
+    attempts: dict[int, int] = field(default_factory=dict)  # environment failures in this run, by first trial
 
     def stop(self, *_: Any) -> None:
         """SIGTERM or Ctrl-C: each running trial saves a checkpoint and exits (crosstrain's preemption), nothing
@@ -76,6 +79,8 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
             out: str | None, storage: str | None, study: str | None, trials: int, jobs: int,
             nproc: int | None) -> Search:
     """Every check that can fail on input, before the study or any run dir exists."""
+    from crosstrain.plugins.tune.record import describe
+    from crosstrain.plugins.tune.storage import check_url
     from crosstrain.plugins.tune.study import default_storage
 
     if trials < 1:
@@ -97,6 +102,7 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
     if out_dir.is_file():
         raise ConfigError(f"--out {str(out_dir)!r} is a file; pass a folder")
     url = storage or default_storage(out_dir)
+    check_url(url, given=storage is not None)
     # K trials at once share the cores; one trial keeps train.threads as configured (auto by default), so trial 0
     # trains exactly what `crosstrain train` with the same --set does
     threads = max(1, (os.cpu_count() or 1) // (jobs * (nproc or 1))) if jobs > 1 else 0
@@ -107,7 +113,8 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
     # the grid sampler would draw the base point again; other samplers learn from it like any trial
     first = settings.base_first and settings.sampler != "grid" and all(p.contains(values[p.key]) for p in params)
     enqueue = values if first else None
-    return Search(settings, params, study or name, url, out_dir, trials, jobs, command, base, enqueue)
+    return Search(settings, params, study or name, url, out_dir, trials, jobs, command, base, enqueue,
+                  describe(settings, params, base), storage is not None)
 
 
 def run(search: Search, log: Any = sys.stderr) -> dict[str, Any]:
@@ -117,11 +124,14 @@ def run(search: Search, log: Any = sys.stderr) -> dict[str, Any]:
     from crosstrain.plugins.tune.study import load_study, open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    search.out.mkdir(parents=True, exist_ok=True)
-    storage = open_storage(search.storage_url)
+    if not search.storage_given:
+        search.out.mkdir(parents=True, exist_ok=True)  # the study database is in it
+    # a storage outside --out is opened and its study checked before --out exists
+    storage = open_storage(search.storage_url, search.storage_given)
     cfg = search.base
     study = load_study(search.study_name, storage, search.settings, search.params, cfg.train.steps,
-                       cfg.eval.every or cfg.train.steps)
+                       cfg.eval.every or cfg.train.steps, search.record)
+    search.out.mkdir(parents=True, exist_ok=True)
     workers = [threading.Thread(target=_worker, args=(search, study, storage, log), name=f"tune-job-{i}")
                for i in range(search.jobs)]
     main = threading.current_thread() is threading.main_thread()
@@ -150,8 +160,9 @@ def _worker(search: Search, study: Any, storage: Any, log: Any) -> None:
     from crosstrain.plugins.tune.study import take_next
 
     try:
-        while not search.stopping.is_set():
-            got = take_next(study, search.out, search.trials, search.enqueue, search.settings, search.params)
+        while not search.stopping.is_set() and not search.errors:
+            got = take_next(study, search.out, search.trials, search.enqueue, search.settings, search.params,
+                            local=not search.storage_given)
             if got is None:
                 return
             trial, params, claim, resumed = got
@@ -172,21 +183,26 @@ def _run_trial(search: Search, study: Any, storage: Any, trial: Any, params: dic
     what = "resuming" if resumed else "starting"
     print(f"crosstrain tune: {what} trial {trial.number} {params} in {run_dir}", file=log, flush=True)
     if pruned_at is None:
-        code = search.command.run(run_dir, params, trial._trial_id, running=search.running)
+        try:
+            code: int | None = search.command.run(run_dir, params, trial._trial_id, running=search.running)
+            line = last_line(run_dir)
+        except OSError as exc:  # the tuner could not start it: its run dir or log cannot be written
+            code, line = None, f"{type(exc).__name__}: {exc}"
         pruned_at = storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT)
         if search.stopping.is_set() and pruned_at is None:
             return  # stopped by the user: left RUNNING, resumed by the next tuner
     else:
-        code = 0  # pruned before its tuner died: its checkpoint is kept, nothing to train
+        code, line = 0, ""  # pruned before its tuner died: its checkpoint is kept, nothing to train
     if code != 0:
-        study.tell(trial, state=TrialState.FAIL)
-        print(f"crosstrain tune: trial {trial.number} failed (exit {code}): {last_line(run_dir)}", file=log, flush=True)
+        _failed(search, study, trial, code, line, log)
         return
-    if pruned_at is not None:
+    summary = read_summary(run_dir)
+    if pruned_at is not None and summary.get("preempted") is not False:
         study.tell(trial, state=TrialState.PRUNED)
         print(f"crosstrain tune: trial {trial.number} pruned at step {pruned_at}", file=log, flush=True)
         return
-    value = metric_value(run_dir, search.settings.metric, read_summary(run_dir))
+    # a trial asked to stop at a vote that came only after its last step has finished: COMPLETE, with its value
+    value = metric_value(run_dir, search.settings.metric, summary)
     if value is None:
         study.tell(trial, state=TrialState.FAIL)
         print(f"crosstrain tune: trial {trial.number} reported no finite {search.settings.metric}", file=log,
@@ -196,11 +212,49 @@ def _run_trial(search: Search, study: Any, storage: Any, trial: Any, params: dic
     print(f"crosstrain tune: trial {trial.number} {search.settings.metric} {value:.4f}", file=log, flush=True)
 
 
-def result(study: Any, storage_url: str) -> dict[str, Any]:
-    """The JSON line: the study, its storage, the best trial and how many trials ended each way."""
+def _failed(search: Search, study: Any, trial: Any, code: int | None, line: str, log: Any) -> None:
+    """Record a trial that exited non-zero: FAIL, and when its machine was the cause (and ``retries`` > 0) queued
+    again with its parameters; past ``retries`` such failures of one point in this run the search stops."""
     from optuna.trial import TrialState
 
+    from crosstrain.checkpoint.space import free_bytes
+    from crosstrain.errors import CrosstrainError
+    from crosstrain.plugins.tune.retry import CAUSE, RETRY_OF, enqueue_retry, environment_cause
+    from crosstrain.plugins.tune.study import study_lock
+
+    free = free_bytes(trial.user_attrs["run_dir"])
+    cause = environment_cause(code, line, free) if search.settings.retries else None
+    exit_text = "could not start" if code is None else f"exit {code}"
+    print(f"crosstrain tune: trial {trial.number} failed ({exit_text}): {line or '(no output)'}", file=log,
+          flush=True)
+    if cause is None:
+        study.tell(trial, state=TrialState.FAIL)
+        return
+    first = trial.user_attrs.get(RETRY_OF, trial.number)
+    search.attempts[first] = search.attempts.get(first, 0) + 1
+    with study_lock(search.out, search.study_name):  # told and queued before another worker counts the trials
+        trial.set_user_attr(CAUSE, cause)
+        frozen = study.tell(trial, state=TrialState.FAIL)
+        enqueue_retry(study, frozen)
+    if search.attempts[first] > search.settings.retries:  # the workers start nothing more
+        search.errors.append(CrosstrainError(
+            f"trial {first}'s parameters failed {search.attempts[first]} times from the machine "
+            f"({cause}{': ' + line if line else ''}); "
+            "they stay queued: fix the cause and run the same command (tune.retries sets the retries per run)"))
+        return
+    print(f"crosstrain tune: {cause}: trial {trial.number}'s parameters queued again (try "
+          f"{search.attempts[first] + 1} of {search.settings.retries + 1})", file=log, flush=True)
+
+
+def result(study: Any, storage_url: str) -> dict[str, Any]:
+    """The JSON line: the study, its storage, the best trial and how many trials ended each way (``failed``: not
+    counting the trials that failed because of their machine, ``retried``, whose parameters were run again)."""
+    from optuna.trial import TrialState
+
+    from crosstrain.plugins.tune.retry import CAUSE
+
     trials = study.get_trials(deepcopy=False)
+    retried = sum(CAUSE in t.user_attrs for t in trials)
     count = {s: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
     best = None
     if count[TrialState.COMPLETE]:
@@ -213,5 +267,6 @@ def result(study: Any, storage_url: str) -> dict[str, Any]:
         "best_run_dir": best.user_attrs.get("run_dir") if best else None,
         "complete": count[TrialState.COMPLETE],
         "pruned": count[TrialState.PRUNED],
-        "failed": count[TrialState.FAIL],
+        "failed": count[TrialState.FAIL] - retried,
+        "retried": retried,
     }

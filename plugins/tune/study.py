@@ -23,6 +23,8 @@ from crosstrain.plugins.tune.config import SearchSettings
 from crosstrain.plugins.tune.space import Param
 
 CLAIM = "tune.claim"
+#: trial user attr: ``host:out`` of the tuner that asked for the trial
+TUNER = "tuner"
 #: SQLite waits this long for a lock held by another worker (the tuner, a trial's rank 0, another tuner)
 SQLITE_TIMEOUT_S = 120
 
@@ -31,30 +33,40 @@ def default_storage(out: Path) -> str:
     return f"sqlite:///{(out / 'tune.db').resolve()}"
 
 
-def open_storage(url: str) -> Any:
+def open_storage(url: str, given: bool = True) -> Any:
     """An Optuna storage: an RDB URL (``sqlite:///``, ``postgresql://``, ``mysql://``) or ``journal:PATH``
-    (Optuna's JournalStorage on a file)."""
+    (Optuna's JournalStorage on a file). ``given``: the URL came from ``--storage`` (errors name the flag)."""
     import optuna
 
+    from crosstrain.plugins.tune.storage import check_url, storage_error
+
+    check_url(url, given)
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend
 
-        return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
+        except OSError as exc:
+            raise storage_error(exc, url, given) from None
     kwargs: dict[str, Any] = {}
-    lock = contextlib.nullcontext()
+    lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    new_lock: Path | None = None
     if url.startswith("sqlite"):
         kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
         path = url.split(":///", 1)[-1]
         if path and path != ":memory:":
             # two tuners opening a new database at once would both create its tables ("table studies already
             # exists"): the first to hold the lock creates them, the others find them
-            lock = _file_lock(Path(path).with_name(Path(path).name + ".lock"))
+            lock_file = Path(path).with_name(Path(path).name + ".lock")
+            new_lock = None if lock_file.exists() else lock_file  # removed again if the database cannot be opened
+            lock = _file_lock(lock_file)
     try:
         with lock:
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-    except Exception as exc:  # a URL SQLAlchemy cannot open: a missing driver, a bad host
-        raise ConfigError(f"--storage {url!r} cannot be opened ({type(exc).__name__}: {exc}); pass a "
-                          "sqlite:///PATH, postgresql://..., mysql://... or journal:PATH URL") from None
+    except Exception as exc:  # a URL SQLAlchemy cannot open: a bad host, a password, not a database
+        if new_lock is not None:
+            new_lock.unlink(missing_ok=True)
+        raise storage_error(exc, url, given) from None
 
 
 def make_sampler(settings: SearchSettings, params: list[Param], offset: int = 0) -> Any:
@@ -95,8 +107,12 @@ def make_pruner(settings: Any, steps: int, eval_every: int) -> Any:
 
 
 def load_study(name: str, storage: Any, settings: SearchSettings, params: list[Param], steps: int,
-               eval_every: int) -> Any:
+               eval_every: int, record: dict[str, Any]) -> Any:
+    """The study ``name``, created with ``record`` (:func:`crosstrain.plugins.tune.record.describe`) or continued
+    when its direction, space and base config are those of this search (else one line, exit 2)."""
     import optuna
+
+    from crosstrain.plugins.tune.record import check
 
     study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
                                 direction=settings.direction, sampler=make_sampler(settings, params),
@@ -104,6 +120,7 @@ def load_study(name: str, storage: Any, settings: SearchSettings, params: list[P
     if study.direction.name.lower() != settings.direction:
         raise ConfigError(f"study {name!r} in this storage was created with direction "
                           f"{study.direction.name.lower()}; pass another --study or the same direction")
+    check(study, record)
     return study
 
 
@@ -141,8 +158,11 @@ class Claim:
         except BlockingIOError:
             os.close(fd)
             return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        try:  # who holds it, for a person looking: the lock is the flock, so a full disk does not matter here
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        except OSError:
+            pass
         self._fd = fd
         return True
 
@@ -157,18 +177,29 @@ def trial_dir(out: Path, name: str, number: int) -> Path:
 
 
 def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None, settings: SearchSettings,
-              params: list[Param]) -> tuple[Any, dict[str, Any], Claim, bool] | None:
-    """Under the study lock: a RUNNING trial left by a dead tuner (``resumed`` True, its stored parameters) or a
-    new one, drawn by a sampler seeded for its number, while the study has fewer than ``limit`` trials; None when
-    there is nothing left to run."""
+              params: list[Param], local: bool) -> tuple[Any, dict[str, Any], Claim, bool] | None:
+    """Under the study lock: a RUNNING trial left by a dead tuner (``resumed`` True, its stored parameters), or a
+    new one (a WAITING retry first, else drawn by a sampler seeded for its number) while fewer than ``limit`` of
+    the study's slots are taken (:func:`crosstrain.plugins.tune.retry.slots_taken`); None when nothing is left.
+    ``local``: the storage is ``out``'s own database, so every trial in it was asked by a tuner on this ``out``."""
     import optuna
     from optuna.trial import TrialState
 
+    from crosstrain.plugins.tune.retry import slots_taken
+
+    here = f"{socket.gethostname()}:{out.resolve()}"
     with study_lock(out, study.study_name):
         trials = study.get_trials(deepcopy=False)
         for t in trials:
+            if t.state != TrialState.RUNNING:
+                continue
             run_dir = t.user_attrs.get("run_dir")
-            if t.state != TrialState.RUNNING or not run_dir or not Path(run_dir).is_dir():
+            if not run_dir and (local or t.user_attrs.get(TUNER) == here):
+                # asked by a tuner on this out that died before it named the run dir (no live one can be between
+                # the two: both happen under this lock): start it now, with whatever parameters it already has
+                study.sampler = make_sampler(settings, params, offset=t.number)
+                return _start(study, optuna.trial.Trial(study, t._trial_id), out, params)
+            if not run_dir or not Path(run_dir).is_dir():
                 continue  # another machine's trial (its run dir is not here) is left to that machine
             claim = Claim(Path(run_dir))
             if not claim.try_acquire():
@@ -177,20 +208,32 @@ def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None,
             if _state(study, t.number) == TrialState.RUNNING:
                 return optuna.trial.Trial(study, t._trial_id), dict(t.params), claim, True
             claim.release()
-        if len(trials) >= limit:
+        waiting = any(t.state == TrialState.WAITING for t in trials)
+        if slots_taken(trials) >= limit and not waiting:  # a WAITING trial (a retry) already has its slot
             return None
         if enqueue is not None and not trials:
-            study.enqueue_trial(enqueue, user_attrs={"base_config": True})
+            study.enqueue_trial(enqueue, user_attrs={"base_config": True, TUNER: here})
+        elif not waiting and not local and settings.sampler != "grid":
+            # tag the trial before it is RUNNING, so that a tuner on this out finds it if this one dies before
+            # naming its run dir (the grid sampler draws nothing for an enqueued trial: not tagged, not found)
+            study.enqueue_trial({}, user_attrs={TUNER: here})
         study.sampler = make_sampler(settings, params, offset=len(trials))
-        trial = study.ask()
-        chosen = {p.key: p.suggest(trial) for p in params}
-        run_dir = trial_dir(out, study.study_name, trial.number)
-        claim = Claim(run_dir)
-        if not claim.try_acquire():  # a run dir of the same name from an earlier study: refuse rather than mix
-            study.tell(trial, state=TrialState.FAIL)
-            raise ConfigError(f"{run_dir} is held by another process; pass another --out or --study")
-        trial.set_user_attr("run_dir", str(run_dir.resolve()))
-        return trial, chosen, claim, False
+        return _start(study, study.ask(), out, params)
+
+
+def _start(study: Any, trial: Any, out: Path, params: list[Param]) -> tuple[Any, dict[str, Any], Claim, bool]:
+    """Draw ``trial``'s parameters (an enqueued or already drawn one keeps its value), claim its run dir and name
+    it in the trial."""
+    from optuna.trial import TrialState
+
+    chosen = {p.key: p.suggest(trial) for p in params}
+    run_dir = trial_dir(out, study.study_name, trial.number)
+    claim = Claim(run_dir)
+    if not claim.try_acquire():  # a run dir of the same name from an earlier study: refuse rather than mix
+        study.tell(trial, state=TrialState.FAIL)
+        raise ConfigError(f"{run_dir} is held by another process; pass another --out or --study")
+    trial.set_user_attr("run_dir", str(run_dir.resolve()))
+    return trial, chosen, claim, False
 
 
 def _state(study: Any, number: int) -> Any:
