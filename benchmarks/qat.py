@@ -9,12 +9,20 @@ eval``'s evaluation, whole validation part):
 - ``loss_fp32``: the fp32 run in floating point;
 - ``loss_ptq``: the same fp32 weights, fake-quantised with the scheme (post-training quantization: the eval is
   built under the QAT config, so the transform quantises the loaded weights);
-- ``loss_qat``: the QAT run, fake-quantised as it trained.
+- ``loss_qat``: the QAT run, fake-quantised as it trained;
+- ``loss_ptq_int8``: the fp32 weights under ``int8`` (int8 weights per channel): the scheme where PTQ alone is
+  enough, next to the int4 one where it is not.
 
 ``recovery = (loss_ptq - loss_qat) / (loss_ptq - loss_fp32)``: the share of the loss PTQ loses that QAT wins
 back. Then the QAT run exported with ``--quantize`` (integer ONNX, int4 blocks) and the fp32 run exported plainly:
 ``size_ratio`` = quantised .onnx bytes / fp32 .onnx bytes (both without the exporter's per-node debug records, which
 the quantised export strips), and the onnxruntime parity of the quantised model against the fake-quantised one.
+
+Host independence: the script pins the CPU code paths before torch loads (``MKL_CBWR=AVX2,STRICT``: MKL's
+conditional numerical reproducibility, the same sums on every AVX2 or AVX-512 host; ``ATEN_CPU_CAPABILITY=avx2``
+and ``ONEDNN_MAX_CPU_ISA=AVX2`` for torch's own and oneDNN's kernels), trains with the reference kernels and
+torch's optimizer (crosstrain's native CPU kernels pick their ISA at run time) on one thread, and states the host
+(CPU model and flags) and the pins in the JSON.
 
     python benchmarks/qat.py --quick      # last line: JSON
 """
@@ -23,9 +31,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import tempfile
 import time
 from pathlib import Path
+
+#: CPU code paths every x86-64 host with AVX2 computes alike (read when torch loads: set before any import of it)
+PINS = {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+os.environ.update(PINS)
 
 SCHEME = "int8-act-int4-weight"
 
@@ -34,7 +48,8 @@ def _config(args: argparse.Namespace, qat: str, *extra: str):  # type: ignore[no
     from crosstrain.config import load_config
 
     return load_config(None, [*extra,
-        "backend=cpu", "model.preset=tiny", f"model.dim={args.dim}", f"model.n_layers={args.layers}",
+        "backend=cpu", "kernels.mode=reference", "optim.impl=torch", "model.preset=tiny", f"model.dim={args.dim}",
+        f"model.n_layers={args.layers}",
         f"train.steps={args.steps}", f"train.batch_size={args.batch_size}", f"train.seq_len={args.seq_len}",
         f"model.ffn_dim={args.ffn_dim}", "eval.every=0", "checkpoint.final=true", "checkpoint.keep_last=10",
         "logging.progress=none", "logging.tensorboard=false", "schedule.warmup_steps=10", f"train.seed={args.seed}",
@@ -52,6 +67,22 @@ def _eval(args: argparse.Namespace, qat: str, step_dir: Path) -> float:
     from crosstrain.engine.evaluate_checkpoint import evaluate_checkpoint
 
     return float(evaluate_checkpoint(_config(args, qat), step_dir)["loss"])
+
+
+def _host() -> dict[str, object]:
+    """The CPU the figures come from: model name and its vector-ISA flags (Linux' /proc/cpuinfo)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    isa = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"))
+    return {"cpu": model, "isa_flags": isa, "pins": PINS}
 
 
 def _stripped_size(path: Path) -> int:
@@ -72,14 +103,15 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--qat-steps", type=int, default=0, help="K: fine-tune steps with fake quantisation (0: N / 2)")
+    p.add_argument("--qat-steps", type=int, default=0,
+                   help="K: fine-tune steps with fake quantisation (0: 2N / 3)")
     p.add_argument("--ffn-dim", type=int, default=384, help="a multiple of --group-size")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.quick:
         args.steps, args.batch_size, args.seq_len = 300, 8, 64
-    k = args.qat_steps or args.steps // 2
+    k = args.qat_steps or 2 * args.steps // 3
 
     import torch
 
@@ -98,6 +130,7 @@ def main() -> None:
         train_s = time.perf_counter() - t0
         loss_fp32 = _eval(args, "none", fp_ckpt)
         loss_ptq = _eval(args, SCHEME, fp_ckpt)
+        loss_ptq_int8 = _eval(args, "int8", fp_ckpt)  # int8 weights: PTQ alone loses next to nothing
         loss_qat = _eval(args, SCHEME, qat_ckpt)
         with_fp = _eval(args, "none", qat_ckpt)  # the QAT weights run in floating point
         fp_report = export_onnx(load_model(root / "fp32"), root / "fp32.onnx")
@@ -110,6 +143,7 @@ def main() -> None:
         "scheme": SCHEME, "group_size": args.group_size, "steps": args.steps, "qat_from_step": args.steps - k,
         "model": {"preset": "tiny", "dim": args.dim, "n_layers": args.layers, "ffn_dim": args.ffn_dim},
         "loss_fp32": loss_fp32, "loss_ptq": loss_ptq, "loss_qat": loss_qat, "loss_qat_weights_fp": with_fp,
+        "loss_ptq_int8": loss_ptq_int8,
         "recovery": (loss_ptq - loss_qat) / gap if gap > 0 else None,
         "size_ratio": q_bytes / fp_bytes, "size_ratio_vs_raw_fp32_export": q_bytes / fp_bytes_raw,
         "onnx_bytes_quantized": q_bytes, "onnx_bytes_fp32": fp_bytes,
@@ -117,7 +151,7 @@ def main() -> None:
         "parity_quantized_prefill": q_report.parity.max_abs_err_prefill,
         "parity_quantized_decode": q_report.parity.max_abs_err_decode,
         "parity_fp32_max_abs_logit_err": fp_report.parity.max_abs_err,
-        "train_s": train_s, "total_s": time.perf_counter() - t0,
+        "host": _host(), "torch": torch.__version__, "train_s": train_s, "total_s": time.perf_counter() - t0,
     }
     print(json.dumps(result))
 

@@ -56,6 +56,21 @@ class KernelImpl:
         return self.supports is None or bool(self.supports(*args, **kwargs))
 
 
+def _waited(arg: Any) -> Any:
+    """A collective's pending result (tensor parallelism's all-reduced embedding output) as a plain tensor, so it
+    gets the kernel one process gives the same values: predicates send tensor subclasses to the reference, whose
+    rounding differs from a native kernel's by 1e-7, and fake quantisation turns such a difference into a whole
+    grid step (the layout x feature matrix's qat x tp cells). A copy, not ``.wait()``: the gradient does not flow
+    back through ``wait_tensor`` (measured: the embedding's gradient lost)."""
+    return arg.clone() if _PENDING is not None and isinstance(arg, _PENDING) else arg
+
+
+try:  # torch built without distributed has no pending collectives
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor as _PENDING
+except ImportError:  # pragma: no cover
+    _PENDING = None  # type: ignore[assignment,misc]
+
+
 def _first_tensor(args: tuple) -> torch.Tensor | None:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -180,6 +195,7 @@ class KernelRegistry:
         return spec.reference
 
     def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(_waited(a) for a in args)
         return self.resolve(op, *args, **kwargs)(*args, **kwargs)
 
     # -- population -------------------------------------------------------------------------------
