@@ -42,8 +42,8 @@ def test_quantized_onnx_computes_in_integers_and_passes_its_gate(qat_run, tmp_pa
     graph = onnx.load(str(out)).graph
     ops = [n.op_type for n in graph.node]
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    assert len(nbits) == 8 and all(helper.get_node_attribute_value(n, "accuracy_level") == 4 and
-                                   helper.get_node_attribute_value(n, "bits") == 4 for n in nbits)
+    attrs = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
+    assert len(nbits) == 8 and all(a["accuracy_level"] == 4 and a["bits"] == 4 and a["block_size"] == 32 for a in attrs)
     assert not {"Round", "Clip", "ReduceMin", "ReduceMax", "DequantizeLinear"} & set(ops)  # no fake quantisation
     inits = {i.name for i in graph.initializer}
     assert not [n for n in graph.node if n.op_type == "MatMul" and set(n.input) & inits]  # no float weight matmul

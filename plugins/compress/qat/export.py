@@ -66,7 +66,9 @@ def export_quantized_onnx(loaded: Any, out: str | os.PathLike[str], scheme: Sche
     if out_path.suffix != ".onnx" or out_path.is_dir():
         raise ExportError(f"--out {out_path} must be a file path ending in .onnx")
     if scheme.weight_bits == 4 and not nbits_block(scheme.group_size):
-        raise ExportError(f"int4 weights compute in onnxruntime's MatMulNBits, whose blocks are a power of two >= 16; "
+        from crosstrain.errors import ConfigError
+
+        raise ConfigError(f"int4 weights compute in onnxruntime's MatMulNBits, whose blocks are a power of two >= 16; "
                           f"group size {scheme.group_size} is not: use --group-size 32 (or train with it)")
     fake = fake_quantised(loaded.model, scheme, loaded.source).eval()
     converted, weights = integer_model(fake)
