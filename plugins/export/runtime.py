@@ -19,8 +19,9 @@ def make_session(path: str | os.PathLike[str], threads: int | None = None) -> An
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 4  # errors are re-raised as one-line ExportErrors
-    # int4 weights (`export --quantize`) fuse into MatMulNBits; its default accuracy level re-quantises the graph's
-    # activations, so logits would drift from the fake-quantised model QAT trained (0.04 on tiny); 0 computes exactly
+    # files of earlier releases held int4 weights as DequantizeLinear + MatMul, which onnxruntime fuses into
+    # MatMulNBits at a default accuracy level that re-quantises their activations; 0 keeps what they were checked
+    # against. Today's integer exports set accuracy_level=4 on their own MatMulNBits nodes (int_reference.py)
     opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     if threads is not None:
         opts.intra_op_num_threads = threads

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from crosstrain.errors import ConfigError
-from crosstrain.plugins.compress.qat.schemes import DEFAULT_QUANT_TOLERANCE, SCHEMES
+from crosstrain.plugins.compress.qat.schemes import SCHEMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,8 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ptq", default=None, choices=SCHEMES,
                    help="post-training quantization of a run trained in floating point, with this scheme")
     p.add_argument("--group-size", type=int, default=None, help="--ptq int4 weights: input features per scale")
-    p.add_argument("--quant-tolerance", type=float, default=DEFAULT_QUANT_TOLERANCE,
-                   help="max abs logit error of the quantised ONNX model against the fake-quantised one")
+    p.add_argument("--quant-tolerance", type=float, default=None,
+                   help="a fixed max abs logit error for the integer ONNX model's parity gate, instead of the bound "
+                        "it derives per step (docs/export.md)")
 
 
 def run_quantized_export(args: argparse.Namespace, out: Path | None) -> int:
@@ -34,7 +35,7 @@ def run_quantized_export(args: argparse.Namespace, out: Path | None) -> int:
         raise ConfigError("--quantize/--ptq write --format onnx (integer weights) or hf (dequantised weights)")
     if args.group_size is not None and args.group_size < 2:
         raise ConfigError(f"--group-size must be >= 2, got {args.group_size}")
-    if not args.quant_tolerance >= 0:
+    if args.quant_tolerance is not None and not args.quant_tolerance >= 0:
         raise ConfigError(f"--quant-tolerance must be >= 0 (a max abs logit error), got {args.quant_tolerance}")
     source = resolve_path(args.source, best=args.best)
     scheme, ptq = pick_scheme(source, args.quantize, args.ptq, args.group_size)

@@ -13,7 +13,7 @@ from typing import Any
 
 from crosstrain.checkpoint.atomic import disk_errors
 from crosstrain.plugins.compress.qat.convert import fake_quantised, integer_model, quantized_bytes
-from crosstrain.plugins.compress.qat.schemes import DEFAULT_QUANT_TOLERANCE, Scheme
+from crosstrain.plugins.compress.qat.schemes import Scheme
 from crosstrain.plugins.export.errors import ExportError
 from crosstrain.plugins.export.parity import ParityReport
 
@@ -48,41 +48,56 @@ class QuantExportReport:
 
 
 def export_quantized_onnx(loaded: Any, out: str | os.PathLike[str], scheme: Scheme, *, ptq: bool = False,
-                          tolerance: float = DEFAULT_QUANT_TOLERANCE, opset: int | None = None,
+                          tolerance: float | None = None, opset: int | None = None,
                           seed: int = 0) -> QuantExportReport:
-    """Write ``out``: ``loaded``'s model (a :class:`~crosstrain.plugins.export.loading.LoadedModel`) with integer
-    weights, checked in onnxruntime against the fake-quantised model; on any failure nothing is left at ``out``."""
+    """Write ``out``: ``loaded``'s model (a :class:`~crosstrain.plugins.export.loading.LoadedModel`) computing in
+    integers in onnxruntime (:mod:`~crosstrain.plugins.compress.qat.onnx_weights`), checked against the PyTorch
+    model that computes the same integer ops (:mod:`~crosstrain.plugins.export.int_reference`) on several batches
+    within the bound the gate derives (``tolerance``: a fixed bound instead); on any failure nothing is left at
+    ``out``."""
     import onnx
 
-    from crosstrain.plugins.compress.qat.onnx_weights import integer_weights
+    from crosstrain.plugins.compress.qat.linear import fake_quant_disabled
+    from crosstrain.plugins.compress.qat.onnx_weights import integer_graph, nbits_block
+    from crosstrain.plugins.export.int_model import ort_reference, quantize_embedding
+    from crosstrain.plugins.export.int_parity import check_integer_parity
     from crosstrain.plugins.export.onnx_export import _publish, metadata, trace_to_onnx
-    from crosstrain.plugins.export.parity import check_parity
 
     out_path = Path(out)
     if out_path.suffix != ".onnx" or out_path.is_dir():
         raise ExportError(f"--out {out_path} must be a file path ending in .onnx")
-    reference = fake_quantised(loaded.model, scheme, loaded.source).eval()
-    converted, weights = integer_model(reference)
+    if scheme.weight_bits == 4 and not nbits_block(scheme.group_size):
+        from crosstrain.errors import ConfigError
+
+        raise ConfigError(f"int4 weights compute in onnxruntime's MatMulNBits, whose blocks are a power of two >= 16; "
+                          f"group size {scheme.group_size} is not: use --group-size 32 (or train with it)")
+    fake = fake_quantised(loaded.model, scheme, loaded.source).eval()
+    converted, weights = integer_model(fake)
+    embedding = quantize_embedding(converted)
+    reference = ort_reference(converted, weights, embedding)
     meta = metadata(loaded, {META_QUANT: json.dumps({"scheme": scheme.name, "group_size": scheme.group_size,
-                                                      "ptq": ptq})})
+                                                      "ptq": ptq, "embedding": "int8" if embedding else "fp32"})})
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
     try:
         tmp = tmp_dir / out_path.name
-        trace_to_onnx(converted, tmp, meta, opset=max(opset or MIN_OPSET, MIN_OPSET))
-        graph = onnx.load(str(tmp))
-        integer_weights(graph, weights)
-        for node in graph.graph.node:  # the exporter's per-node debug records (stack traces, source paths)
-            del node.metadata_props[:]
-        with disk_errors(out_path):
-            onnx.save(graph, str(tmp))
-        parity = check_parity(reference, tmp, tolerance=tolerance, seed=seed, label=scheme.name)
+        with fake_quant_disabled(converted):  # float matmuls on q * s: traced, then rewritten to integer ops below
+            trace_to_onnx(converted, tmp, meta, opset=max(opset or MIN_OPSET, MIN_OPSET))
+            graph = onnx.load(str(tmp))
+            integer_graph(graph, weights, embedding)
+            for node in graph.graph.node:  # the exporter's per-node debug records (stack traces, source paths)
+                del node.metadata_props[:]
+            with disk_errors(out_path):
+                onnx.save(graph, str(tmp))
+            parity = check_integer_parity(reference, converted, tmp, tolerance=tolerance, seed=seed,
+                                          label=scheme.name)
         size = tmp.stat().st_size
         files = _publish(tmp_dir, out_path.name, out_path.parent)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+    layers = len(weights) + (1 if embedding is not None and embedding.head_block else 0)
     return QuantExportReport(str(out_path), scheme.name, scheme.group_size, ptq, parity, size,
-                             quantized_bytes(weights), len(weights), files)
+                             quantized_bytes(weights), layers, files)
 
 
 def trained_scheme(source: Any) -> Scheme | None:

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Max abs logit error accepted between onnxruntime and the fake-quantised model. Both compute the same integers;
-#: what remains is fp32 summation order, and now and then an activation on a rounding boundary (half a step).
-DEFAULT_QUANT_TOLERANCE = 1e-2  # here, not in .export: the CLI's flag reads it without torch
-
 
 @dataclass(frozen=True)
 class Scheme:
