@@ -13,12 +13,13 @@ set over the training run (transformers imported in both, before the measurement
 
     python benchmarks/models.py [--preset small] [--rounds 3] [--quick]
 
-The bound (issue 40): one more run of each path under a dispatch mode that reads the same clock around every GEMM
-and fused-attention call (:data:`IRREDUCIBLE`, forward and backward) gives the seconds per step no change to the
-model's code can remove; ``speedup_bound`` is the generic step time over the native path's irreducible seconds: the
-``native_vs_transformers`` the native path would reach with every other op (norms, rotary, activations, residual
-adds, copies, the optimizer step, Python) free. ``of_bound`` = ``native_vs_transformers / speedup_bound``, the share
-of the native step spent in those ops (target >= 0.9); ``speedup_bound_gemm_only`` counts the GEMMs alone.
+The bound (issue 40): after each timed run, one more run of the same path under a dispatch mode that reads the same
+clock around every GEMM and fused-attention call (:data:`IRREDUCIBLE`, forward and backward) gives the seconds per
+step no change to the model's code can remove (median over the rounds); ``speedup_bound`` is the generic step time
+over the native path's irreducible seconds: the ``native_vs_transformers`` the native path would reach with every
+other op (norms, rotary, activations, residual adds, copies, the optimizer step, Python) free. ``of_bound`` =
+``native_vs_transformers / speedup_bound`` is the share of the native step spent in those ops (target >= 0.9);
+``speedup_bound_gemm_only`` counts the GEMMs alone.
 
 Last line: JSON with ``native_vs_transformers`` (native tokens/s / generic tokens/s; target >= 1.3), ``speedup_bound``,
 ``of_bound``, ``step_s``/``irreducible_s``/``gemm_s`` per path, and
@@ -170,17 +171,20 @@ def main() -> None:
     for path in PATHS:  # untimed warm-up of each path (imports, allocator)
         train(path, args)
     compiled: dict[str, Any] = {}
+    floors: dict[str, list[dict[str, float]]] = {path: [] for path in PATHS}
 
     def timed(path: str, r: int) -> list[float]:
         intervals, summary = train(path, args)
         compiled[path] = summary["defaults"]["compile"]["enabled"]
+        floors[path].append(irreducible(path, args))  # next to its timed run, so a drift of the machine hits both
         return intervals[args.warmup:]
 
     runs = alternate(PATHS, args.rounds, timed)
     tokens = args.batch * args.seq
     step_s = {path: statistics.median([s for run in runs[path] for s in run]) for path in PATHS}
     tps = {path: tokens / step_s[path] for path in PATHS}
-    floor = {path: irreducible(path, args) for path in PATHS}
+    floor = {path: {k: statistics.median([f[k] for f in floors[path]]) for k in ("irreducible", "gemm")}
+             for path in PATHS}
     passthrough = [f"--preset={args.preset}", f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}",
                    f"--threads={args.threads}", f"--compile={args.compile}"]
     mem = {path: _memory_in_fresh_process(path, passthrough) for path in PATHS}
