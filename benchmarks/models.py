@@ -13,7 +13,16 @@ set over the training run (transformers imported in both, before the measurement
 
     python benchmarks/models.py [--preset small] [--rounds 3] [--quick]
 
-Last line: JSON with ``native_vs_transformers`` (native tokens/s / generic tokens/s; target >= 1.3) and
+The bound (issue 40): after each timed run, one more run of the same path under a dispatch mode that reads the same
+clock around every GEMM and fused-attention call (:data:`IRREDUCIBLE`, forward and backward) gives the seconds per
+step no change to the model's code can remove (median over the rounds); ``speedup_bound`` is the generic step time
+over the native path's irreducible seconds: the ``native_vs_transformers`` the native path would reach with every
+other op (norms, rotary, activations, residual adds, copies, the optimizer step, Python) free. ``of_bound`` =
+``native_vs_transformers / speedup_bound`` is the share of the native step spent in those ops (target >= 0.9);
+``speedup_bound_gemm_only`` counts the GEMMs alone.
+
+Last line: JSON with ``native_vs_transformers`` (native tokens/s / generic tokens/s; target >= 1.3), ``speedup_bound``,
+``of_bound``, ``step_s``/``irreducible_s``/``gemm_s`` per path, and
 ``memory_ratio`` (native peak / generic peak; target <= 1.0) and ``window_mem_ratio`` (peak memory of crosstrain's
 windowed attention / dense boolean-mask SDPA at T = 4096 with a 512 window, forward + backward, measured by
 benchmarks/attention_masks.py's ``layout``; target <= 0.25), with per-path detail.
@@ -31,8 +40,13 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
 from _timing import alternate, step_clock  # noqa: E402
+from attention_masks import layout as attention_layout  # noqa: E402
+
+# This folder's kernels.py would shadow the `kernels` package transformers imports when it is installed
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 PATHS = ("native", "transformers")
 
@@ -54,6 +68,54 @@ def train(path: str, args: argparse.Namespace) -> tuple[list[float], dict[str, A
     with tempfile.TemporaryDirectory(prefix=f"bench-models-{path}-") as out, step_clock(clock_fn) as clock:
         summary = Trainer(load_config(None, _sets(path, args, out)), run_dir=out).fit()
     return clock.intervals, summary
+
+
+#: the ops no change to the model's code can make cheaper: its GEMMs and the fused attention kernel (two GEMMs
+#: and their softmax), forward and backward, the same calls in both paths
+IRREDUCIBLE = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
+               "_scaled_dot_product_cudnn_attention_backward")
+GEMMS = IRREDUCIBLE[:5]
+
+
+def irreducible(path: str, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per step (median over the steps after ``--warmup``) that one run on ``path`` spends in the
+    :data:`IRREDUCIBLE` ops, and in its GEMMs alone, read on ``--clock`` around each such op by a dispatch mode
+    (every aten call, forward and backward, passes through it; the mode's own overhead falls outside the ops)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    clock_fn = time.process_time if args.clock == "cpu" else time.perf_counter
+    spent = {"irreducible": 0.0, "gemm": 0.0}
+    sync = torch.accelerator.synchronize if args.clock == "wall" and torch.accelerator.is_available() else None
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, a: tuple = (), kw: dict | None = None) -> Any:
+            name = func.overloadpacket.__name__
+            if name not in IRREDUCIBLE:
+                return func(*a, **(kw or {}))
+            if sync is not None:
+                sync()
+            t0 = clock_fn()
+            out = func(*a, **(kw or {}))
+            if sync is not None:
+                sync()
+            dt = clock_fn() - t0
+            spent["irreducible"] += dt
+            if name in GEMMS:
+                spent["gemm"] += dt
+            return out
+
+    from crosstrain.config import load_config
+    from crosstrain.engine import Trainer
+
+    with tempfile.TemporaryDirectory(prefix=f"bench-models-{path}-") as out, \
+            step_clock(lambda: spent["irreducible"]) as both, step_clock(lambda: spent["gemm"]) as gemm, Timer():
+        Trainer(load_config(None, _sets(path, args, out)), run_dir=out).fit()
+    return {"irreducible": statistics.median(both.intervals[args.warmup:]),
+            "gemm": statistics.median(gemm.intervals[args.warmup:])}
 
 
 def memory(path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -109,23 +171,35 @@ def main() -> None:
     for path in PATHS:  # untimed warm-up of each path (imports, allocator)
         train(path, args)
     compiled: dict[str, Any] = {}
+    floors: dict[str, list[dict[str, float]]] = {path: [] for path in PATHS}
 
     def timed(path: str, r: int) -> list[float]:
         intervals, summary = train(path, args)
         compiled[path] = summary["defaults"]["compile"]["enabled"]
+        floors[path].append(irreducible(path, args))  # next to its timed run, so a drift of the machine hits both
         return intervals[args.warmup:]
 
     runs = alternate(PATHS, args.rounds, timed)
     tokens = args.batch * args.seq
-    tps = {path: tokens / statistics.median([s for run in runs[path] for s in run]) for path in PATHS}
+    step_s = {path: statistics.median([s for run in runs[path] for s in run]) for path in PATHS}
+    tps = {path: tokens / step_s[path] for path in PATHS}
+    floor = {path: {k: statistics.median([f[k] for f in floors[path]]) for k in ("irreducible", "gemm")}
+             for path in PATHS}
     passthrough = [f"--preset={args.preset}", f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}",
                    f"--threads={args.threads}", f"--compile={args.compile}"]
     mem = {path: _memory_in_fresh_process(path, passthrough) for path in PATHS}
-    from attention_masks import layout as attention_layout
-
     window = attention_layout(4096, 512, None, 1)
+    ratio = tps["native"] / tps["transformers"]
+    # the native path with every op but its GEMMs and attention kernel free, against the measured generic step
+    bound = step_s["transformers"] / floor["native"]["irreducible"]
     result = {
-        "native_vs_transformers": round(tps["native"] / tps["transformers"], 3),
+        "native_vs_transformers": round(ratio, 3),
+        "speedup_bound": round(bound, 3),
+        "of_bound": round(ratio / bound, 3),
+        "speedup_bound_gemm_only": round(step_s["transformers"] / floor["native"]["gemm"], 3),
+        "step_s": {p: round(v, 4) for p, v in step_s.items()},
+        "irreducible_s": {p: round(v["irreducible"], 4) for p, v in floor.items()},
+        "gemm_s": {p: round(v["gemm"], 4) for p, v in floor.items()},
         "memory_ratio": round(mem["native"]["peak_bytes"] / max(mem["transformers"]["peak_bytes"], 1), 3),
         "window_mem_ratio": round(window["mem_ratio"], 3),
         "tokens_per_s": {p: round(v, 1) for p, v in tps.items()},
