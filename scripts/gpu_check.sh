@@ -44,25 +44,7 @@ has_crosstrain() {
   "$PY" -c "import importlib.metadata as m, crosstrain; assert any(e.name == '$BACKEND' for e in m.entry_points(group='crosstrain'))" 2>/dev/null
 }
 if ! has_crosstrain; then
-  SHIM="$(mktemp -d)"
-  "$PY" - "$REPO" "$SHIM" <<'PYEOF'
-import os, sys, tomllib
-repo, shim = sys.argv[1:]
-pkg = os.path.join(shim, "crosstrain")
-os.makedirs(pkg)
-for entry in os.listdir(os.path.join(repo, "core")):
-    os.symlink(os.path.join(repo, "core", entry), os.path.join(pkg, entry))
-for sub in ("backends", "plugins"):
-    if os.path.isdir(os.path.join(repo, sub)):
-        os.symlink(os.path.join(repo, sub), os.path.join(pkg, sub))
-meta = tomllib.load(open(os.path.join(repo, "pyproject.toml"), "rb"))["project"]
-info = os.path.join(shim, f"crosstrain-{meta['version']}.dist-info")
-os.makedirs(info)
-open(os.path.join(info, "METADATA"), "w").write(f"Metadata-Version: 2.1\nName: crosstrain\nVersion: {meta['version']}\n")
-with open(os.path.join(info, "entry_points.txt"), "w") as fh:
-    for group, eps in meta.get("entry-points", {}).items():
-        fh.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n")
-PYEOF
+  SHIM="$("$PY" "$REPO/scripts/offline_shim.py" "$REPO")"
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
   if has_crosstrain; then say "crosstrain not installed: using the offline shim at $SHIM"; else
     say "crosstrain cannot be imported (missing dependency?):"; "$PY" -c "import crosstrain" 2>&1 | tail -3 | tee -a "$OUT_DIR/summary.txt"
