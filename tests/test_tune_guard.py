@@ -16,17 +16,11 @@ pytest.importorskip("optuna")
 
 from in_process import crosstrain_main  # noqa: E402
 from one_line import one_line_error  # noqa: E402
-from test_tune_kill import TINY, _sets  # noqa: E402
 
-# trial 0 is the base config (optim.lr 3e-3); the seeded random sampler then draws 1e-5 (test_tune_kill.py), whose
-# eval loss at the last step is above the median of the finished trials
-SPACE = """[tune]
-sampler = "random"
-seed = 0
-startup_trials = 1
-[space]
-"optim.lr" = { choices = [0.003, 1e-5] }
-"""
+# trial 0 is the base config (optim.lr 3e-3); the seeded random sampler then draws 1e-5 (test_tune_kill.py's SPACE),
+# whose eval loss at the last step is above the median of the finished trials
+from test_tune_kill import SPACE, TINY, _sets  # noqa: E402
+
 SETS = [s for s in TINY if not s.startswith(("train.steps", "eval.every"))] + [
     "train.steps=4", "eval.every=4", "schedule.warmup_steps=0"]
 

@@ -13,14 +13,8 @@ import pytest
 
 pytest.importorskip("optuna")
 
+from test_tune_kill import SIX as SPACE  # noqa: E402
 from test_tune_kill import TINY, _sets  # noqa: E402
-
-SPACE = """[tune]
-pruner = "none"
-sampler = "random"
-[space]
-"optim.lr" = { low = 1e-3, high = 3e-3, log = true }
-"""
 
 
 def test_two_tuners_with_two_jobs_each_share_one_sqlite_study(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 
 pytest.importorskip("optuna")
 
+from test_bad_inputs import _can_mount_tmpfs  # noqa: E402
 from test_tune_kill import TINY, _sets  # noqa: E402
 
 from crosstrain.fault.peer_loss import EXIT_PEER_LOST  # noqa: E402
@@ -49,14 +49,6 @@ retries = 1
 ])
 def test_environment_cause(code: int | None, line: str, free: int | None, cause: str | None) -> None:
     assert environment_cause(code, line, free) == cause
-
-
-def _can_mount_tmpfs(folder: Path) -> bool:
-    if not shutil.which("unshare"):
-        return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k none {folder}"],
-                           capture_output=True, timeout=30)
-    return probe.returncode == 0
 
 
 def test_full_disk_trials_are_retried_then_run_again_once_space_is_back(tmp_path: Path) -> None:
