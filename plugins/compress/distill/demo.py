@@ -50,8 +50,11 @@ class StopRequest:
         self._previous = {s: signal.signal(s, self.record) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def uninstall(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        """Give the signals back, unless one stopped the demo: then the process is on its way out with ``128 +
+        signal``, and a repeated signal during that exit must change nothing rather than kill it (-15)."""
+        if not self.signum:
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
         self._previous = {}
 
     def record(self, signum: int, frame: Any = None) -> None:
