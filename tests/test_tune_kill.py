@@ -126,8 +126,10 @@ def test_sigkill_then_same_command_finishes_all_six_trials(tmp_path: Path) -> No
 
     space, out = tmp_path / "space.toml", tmp_path / "out"
     space.write_text(SIX)
-    sets = _sets([s for s in TINY if not s.startswith(("train.steps", "eval.every"))] + ["train.steps=4",
-                                                                                        "eval.every=2"])
+    # 40 steps with a checkpoint every 2: the kill after the first checkpoint lands with 38 steps to go on any host
+    # (with 4 steps a quiet host finished trial 1 in the 5 ms between the checkpoint and the kill)
+    sets = _sets([s for s in TINY if not s.startswith(("train.steps", "eval.every"))] + [
+        "train.steps=40", "eval.every=20", "checkpoint.every=2"])
     cmd = [sys.executable, "-m", "crosstrain", "tune", str(space), "--trials", "6", "--out", str(out), "--json", *sets]
     trial1 = out / "space" / "trial_0001"
     tuner = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -157,4 +159,4 @@ def test_sigkill_then_same_command_finishes_all_six_trials(tmp_path: Path) -> No
     assert [t.number for t in trials] == list(range(6)) and all(t.state == TrialState.COMPLETE for t in trials)
     for t in trials:
         summary = json.loads((Path(t.user_attrs["run_dir"]) / "summary.json").read_text())
-        assert summary["steps"] == 4 and summary["eval_loss"] == t.value
+        assert summary["steps"] == 40 and summary["eval_loss"] == t.value
