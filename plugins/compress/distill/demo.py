@@ -51,10 +51,10 @@ class StopRequest:
 
     def uninstall(self) -> None:
         """Give the signals back, unless one stopped the demo: then the process is on its way out with ``128 +
-        signal``, and a repeated signal during that exit must change nothing rather than kill it (-15)."""
-        if not self.signum:
-            for s, handler in self._previous.items():
-                signal.signal(s, handler)
+        signal``, and a repeated signal during that exit must change nothing rather than kill it (-15). Ignored, not
+        recorded: Python's finalisation puts every handler it installed back to the default, but leaves SIG_IGN."""
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_IGN if self.signum else handler)
         self._previous = {}
 
     def record(self, signum: int, frame: Any = None) -> None:
