@@ -32,6 +32,9 @@ class Backend:
     capabilities: frozenset[str] = frozenset()
     #: names of the extras that install what this backend needs (shown in error messages).
     install_hint: str = ""
+    #: the Kubernetes extended resource of one device, which the device plugin of this hardware advertises
+    #: (``crosstrain k8s`` requests ``--nproc-per-node`` of it per pod); "" = none, the pod asks for cpu/memory only.
+    k8s_resource: str = ""
 
     def __init__(self) -> None:
         unknown = set(self.capabilities) - set(CAPABILITIES)

@@ -62,12 +62,14 @@ def torchrun_args(worker_args: Sequence[str], *, nproc: int, max_restarts: int =
 
 
 def launch(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nnodes: str = "1",
-           rdzv_endpoint: str | None = None, run_dir: str | None = None, resume: str | None = None) -> int:
+           rdzv_endpoint: str | None = None, rdzv_id: str | None = None, run_dir: str | None = None,
+           resume: str | None = None) -> int:
     """Run the elastic agent in this process until the workers finish; returns 0 or raises LaunchError.
 
     On SIGTERM the agent forwards the signal to the workers (which finish their step, save and exit) and
     waits for them; if ``run_dir``'s summary then says the run was preempted, this prints ``resume`` (the
-    command that resumes) and returns 0.
+    command that resumes) and returns 0. Every node of a multi-node job must pass the same ``rdzv_id`` (c10d keys
+    its rendezvous by it); one node alone may leave it to a random one.
     """
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
         raise ConfigError("--nproc cannot be used inside a torchrun worker; drop --nproc or torchrun")
@@ -77,7 +79,7 @@ def launch(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nno
     with _job(run_dir if nnodes in ("1", "1:1") else None) as log_dir:
         args = get_args_parser().parse_args(torchrun_args(worker_args, nproc=nproc, max_restarts=max_restarts,
                                                           nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
-                                                          log_dir=log_dir))
+                                                          rdzv_id=rdzv_id, log_dir=log_dir))
         return _run(run, args, max_restarts=max_restarts, run_dir=run_dir, resume=resume)
 
 

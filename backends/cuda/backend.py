@@ -70,6 +70,7 @@ class GpuBackend(Backend):
 class CudaBackend(GpuBackend):
     name = "cuda"
     install_hint = "cuda"
+    k8s_resource = "nvidia.com/gpu"  # NVIDIA's k8s-device-plugin
 
     def make_device(self) -> Device:
         from crosstrain.backends.cuda.device import CudaDevice

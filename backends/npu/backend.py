@@ -13,6 +13,7 @@ class NpuBackend(Backend):
     priority = 90
     capabilities = frozenset({"bf16", "fp16", "streams", "pinned_memory"})
     install_hint = "npu"
+    k8s_resource = "huawei.com/Ascend910"  # Huawei's Ascend device plugin
 
     def make_device(self) -> Device:
         from crosstrain.backends.npu.device import NpuDevice

@@ -9,6 +9,7 @@ from crosstrain.device import Device
 class RocmBackend(GpuBackend):
     name = "rocm"
     install_hint = "rocm"
+    k8s_resource = "amd.com/gpu"  # AMD's k8s-device-plugin
     torch_build_attr = "hip"
     # HIP honours all three visibility variables (see RocmDevice.visible_devices).
     doctor_env = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",

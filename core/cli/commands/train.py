@@ -49,7 +49,21 @@ def _check_launch(args: argparse.Namespace) -> int:
     parts = str(args.nnodes).split(":")
     if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
         raise ConfigError(f"--nnodes={args.nnodes!r} must be a number of nodes N >= 1 or a range MIN:MAX")
-    return int(parts[-1])
+    nodes = int(parts[-1])
+    if nodes > 1 and not args.run_dir:
+        raise ConfigError(f"--nnodes={args.nnodes} needs --run-dir DIR on storage every node shares (each node "
+                          "would pick its own timestamped run dir)")
+    return nodes
+
+
+def rdzv_id(args: argparse.Namespace, run_dir: str) -> str | None:
+    """``--rdzv-id``, else one derived from the run dir for a multi-node job (the same on every node that names the
+    same run dir; c10d keys its rendezvous by it), else None (one node: the launcher picks a random one)."""
+    import hashlib
+
+    if args.rdzv_id or str(args.nnodes) in ("1", "1:1"):
+        return args.rdzv_id or None
+    return "crosstrain-" + hashlib.sha256(run_dir.rstrip("/").encode()).hexdigest()[:12]
 
 
 def _resume_argv(args: argparse.Namespace) -> list[str] | None:
@@ -80,7 +94,8 @@ def _launch(args: argparse.Namespace, run_dir: str, argv: list[str] | None) -> i
         os.environ[ENV_RESUME_ARGV] = json.dumps(argv)
     try:
         return launch(_worker_args(args, run_dir), nproc=args.nproc, max_restarts=args.max_restarts,
-                      nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint, run_dir=run_dir,
+                      nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
+                      rdzv_id=rdzv_id(args, run_dir), run_dir=run_dir,
                       resume=resume_command(argv, run_dir))
     finally:
         if previous is None:
@@ -149,6 +164,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts of the workers (with --nproc)")
     p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (with --nproc)")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node, with --nproc)")
+    p.add_argument("--rdzv-id", default=None, help="job id every node passes alike (multi-node, with --nproc; "
+                   "default: derived from --run-dir)")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="also name the optimizer step, kernels, compile and layout the defaults chose")
     p.set_defaults(func=run)

@@ -1,0 +1,1 @@
+"""Kubernetes manifests for a run: ``crosstrain k8s`` (docs/cluster.md)."""
