@@ -31,7 +31,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, as crosstrain train")
     p.add_argument("--nodes", type=int, required=True, help="pods (one per node)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes (devices) per pod (default 1)")
-    p.add_argument("--backend", default=None, help="cuda | rocm | npu | cpu (default: the config's `backend`)")
+    p.add_argument("--backend", default=None, help="the backend the pods train on; it decides the device resource "
+                   "they request (`crosstrain backends` lists them; default: the config's `backend`)")
     p.add_argument("--image", default="crosstrain:latest", help="container image with crosstrain and the "
                    "backend's torch build installed (default crosstrain:latest)")
     p.add_argument("--name", default="crosstrain", help="name of the job, its Service, ConfigMap and run dir "
@@ -84,12 +85,15 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _device_resource(backend: str) -> str:
-    """The backend's Kubernetes extended resource ("" for none); an unknown backend is a ConfigError."""
+    """The backend's Kubernetes extended resource ("" for none); "auto" or an unknown backend is a ConfigError."""
     from crosstrain.registry import backends
 
     found = backends()
+    names = "|".join(sorted(found))
+    if backend == "auto":
+        raise ConfigError(f"pods ask for devices by backend: pass --backend {names} (or set `backend` in the config)")
     if backend not in found:
-        raise ConfigError(f"--backend={backend!r} is not a discovered backend; pass one of {', '.join(sorted(found))}")
+        raise ConfigError(f"--backend={backend!r} is not a discovered backend; pass one of {names}")
     return found[backend].k8s_resource
 
 
@@ -102,9 +106,6 @@ def _k8s(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.set or [])
     backend = args.backend or config.backend
-    if backend == "auto":
-        raise ConfigError("pods ask for devices by backend: pass --backend cuda|rocm|npu|cpu (or set `backend` in "
-                          "the config)")
     resource = _device_resource(backend)
     config = load_config(args.config, [*(args.set or []), f"backend={backend}"])
     check_world(config, args.nodes * args.nproc_per_node)
