@@ -30,7 +30,7 @@ DOCS = PYPROJECT.parent / "docs"
 PLUGINS = PYPROJECT.parent / "plugins"
 #: commands that do nothing without an extra's package: command -> (its plugin, which imports it: checked; extra)
 COMMAND_EXTRAS = {"report": ("observability", "observability"), "serve": ("serve", "serve"), "tune": ("tune", "tune"),
-                  "fl": ("fl", "fl")}
+                  "fl": ("fl", "fl"), "k8s": ("k8s", "k8s")}
 #: core features behind an extra, and the pages that document them
 CORE_EXTRAS = {"tensorboard": ("training.md", "observability.md"), "hf": ("models.md",)}
 
@@ -40,7 +40,7 @@ def _named_extras(page: Path) -> set[str]:
     text = page.read_text()
     if "pip install" not in text:
         return set()
-    return {x for group in re.findall(r"""['"]crosstrain\[([a-z,]+)\]['"]""", text) for x in group.split(",")}
+    return {x for group in re.findall(r"""['"]crosstrain\[([a-z0-9,]+)\]['"]""", text) for x in group.split(",")}
 
 
 def _plugin_needs() -> dict[str, list[set[str]]]:
