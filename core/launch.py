@@ -63,13 +63,15 @@ def torchrun_args(worker_args: Sequence[str], *, nproc: int, max_restarts: int =
 
 def launch(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nnodes: str = "1",
            rdzv_endpoint: str | None = None, rdzv_id: str | None = None, run_dir: str | None = None,
-           resume: str | None = None) -> int:
+           resume: str | None = None, preempted_exit_code: int = 0) -> int:
     """Run the elastic agent in this process until the workers finish; returns 0 or raises LaunchError.
 
     On SIGTERM the agent forwards the signal to the workers (which finish their step, save and exit) and
     waits for them; if ``run_dir``'s summary then says the run was preempted, this prints ``resume`` (the
-    command that resumes) and returns 0. Every node of a multi-node job must pass the same ``rdzv_id`` (c10d keys
-    its rendezvous by it); one node alone may leave it to a random one.
+    command that resumes) and returns ``preempted_exit_code``. Workers that stopped by the vote after another
+    node's signal exit with that code too (non-zero: they fail, so a scheduler restarts them). Every node of a
+    multi-node job must pass the same ``rdzv_id`` (c10d keys its rendezvous by it); one node alone may leave it to
+    a random one.
     """
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
         raise ConfigError("--nproc cannot be used inside a torchrun worker; drop --nproc or torchrun")
@@ -80,12 +82,14 @@ def launch(worker_args: Sequence[str], *, nproc: int, max_restarts: int = 0, nno
         args = get_args_parser().parse_args(torchrun_args(worker_args, nproc=nproc, max_restarts=max_restarts,
                                                           nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                                           rdzv_id=rdzv_id, log_dir=log_dir))
-        return _run(run, args, max_restarts=max_restarts, run_dir=run_dir, resume=resume)
+        return _run(run, args, max_restarts=max_restarts, run_dir=run_dir, resume=resume,
+                    preempted_exit_code=preempted_exit_code)
 
 
 def _run(run: Callable[[Any], Any], args: Any, *, max_restarts: int, run_dir: str | None,
-         resume: str | None = None) -> int:
-    """torchrun's ``run(args)``, its failures turned into :class:`LaunchError` (or 0 for a preempted job)."""
+         resume: str | None = None, preempted_exit_code: int = 0) -> int:
+    """torchrun's ``run(args)``, its failures turned into :class:`LaunchError` (or ``preempted_exit_code`` for a
+    preempted job)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -96,13 +100,17 @@ def _run(run: Callable[[Any], Any], args: Any, *, max_restarts: int, run_dir: st
             print(f"crosstrain: launcher got {signal.Signals(exc.sigval).name}; the workers saved a checkpoint "
                   f"in {run_dir} and stopped. Resume with: {resume or f'the same command and --run-dir {run_dir}'}",
                   file=sys.stderr)
-            return 0
+            return preempted_exit_code
         raise LaunchError(f"launcher got {signal.Signals(exc.sigval).name} and the workers did not finish cleanly",
                           128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
         rank = first_cause({r: (f.timestamp, f.exitcode) for r, f in exc.failures.items()})
         failure = exc.failures[rank]
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        if preempted_exit_code and code == preempted_exit_code:
+            raise LaunchError(f"the workers stopped after a signal (here or on another node), saved a checkpoint in "
+                              f"{run_dir} and exited {code}; resume with: "
+                              f"{resume or f'the same command and --run-dir {run_dir}'}", code) from None
         raise LaunchError(f"worker rank {rank} failed with exit code {failure.exitcode} "
                           f"(after {max_restarts} restart(s) allowed); see its output above", code) from None
     return 0

@@ -51,7 +51,8 @@ def pod_template_checks(template: dict[str, Any], backend: str, nodes: int, host
     assert cmd[:3] == ["crosstrain", "train", CONFIG_FILE]
     flags = dict(zip(cmd[3::2], cmd[4::2], strict=True))
     assert flags == {"--run-dir": f"{RUNS_DIR}/lm", "--nproc": "2", "--nnodes": str(nodes),
-                     "--rdzv-endpoint": f"{host}:{RDZV_PORT}", "--rdzv-id": "lm", "--max-restarts": "3"}
+                     "--rdzv-endpoint": f"{host}:{RDZV_PORT}", "--rdzv-id": "lm", "--max-restarts": "3",
+                     "--preempted-exit-code": "143"}
     assert container["resources"]["limits"][RESOURCES[backend]] == "2"
     assert template["spec"]["terminationGracePeriodSeconds"] == 300
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -70,6 +71,8 @@ def test_manifests_validate_against_the_api_schema(tmp_path, backend, nodes) -> 
     job, service = files["job.yaml"], files["service.yaml"]
     spec = job["spec"]
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", nodes, nodes)
+    ignored = [rule.get("onExitCodes", {}).get("values") for rule in spec["podFailurePolicy"]["rules"]]
+    assert [143] in ignored  # a pod stopped by a signal is replaced, and resumes, without counting as a failure
     # pod <job>-<index> in subdomain <service>: the headless Service selecting the Job's pods gives it DNS
     assert service["spec"]["clusterIP"] == "None" and spec["template"]["spec"]["subdomain"] == "lm"
     assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}

@@ -19,6 +19,9 @@ RUNS_DIR = "/runs"
 #: the c10d rendezvous port on the first pod (torchrun's usual one).
 RDZV_PORT = 29500
 KINDS = ("indexed-job", "jobset", "pytorchjob")
+#: what a pod exits with when a signal stopped the run early, after its checkpoint: 128 + SIGTERM, as if the signal
+#: had ended it. The Jobs replace such pods without counting them as failures; they resume from the run dir.
+PREEMPTED_EXIT_CODE = 143
 #: the JobSet's one replicated job, and the PyTorchJob's replica type (its Services are ``<name>-worker-<i>``).
 JOBSET_REPLICATED_JOB = "workers"
 
@@ -62,7 +65,8 @@ def train_command(run: K8sRun, kind: str) -> list[str]:
     """The container's command: the elastic launcher of ``crosstrain train``, as PID 1 so SIGTERM reaches it."""
     return ["crosstrain", "train", CONFIG_FILE, "--run-dir", run.run_dir, "--nproc", str(run.nproc_per_node),
             "--nnodes", str(run.nodes), "--rdzv-endpoint", f"{rdzv_host(run, kind)}:{RDZV_PORT}",
-            "--rdzv-id", run.name, "--max-restarts", str(run.max_restarts)]
+            "--rdzv-id", run.name, "--max-restarts", str(run.max_restarts),
+            "--preempted-exit-code", str(PREEMPTED_EXIT_CODE)]
 
 
 def _resources(run: K8sRun) -> dict[str, Any]:
@@ -111,8 +115,9 @@ def _metadata(run: K8sRun, name: str) -> dict[str, Any]:
 
 
 def indexed_job_spec(run: K8sRun, kind: str) -> dict[str, Any]:
-    """N pods that start together, one per index; a pod that a node drain or preemption removes (condition
-    DisruptionTarget) is replaced without counting against ``backoffLimit``."""
+    """N pods that start together, one per index. A pod that a node drain or preemption removes (condition
+    DisruptionTarget), and one that stopped early after a signal here or on another pod (exit 143, after a
+    checkpoint), is replaced without counting against ``backoffLimit``: the replacements resume the run."""
     template_spec = pod_spec(run, kind, "Never")
     if kind == "indexed-job":
         template_spec["subdomain"] = run.name  # <job>-<index>.<service> resolves to the pod
@@ -121,8 +126,9 @@ def indexed_job_spec(run: K8sRun, kind: str) -> dict[str, Any]:
         "completions": run.nodes,
         "parallelism": run.nodes,
         "backoffLimit": run.max_restarts,
-        "podFailurePolicy": {"rules": [{"action": "Ignore",
-                                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+        "podFailurePolicy": {"rules": [
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            {"action": "Ignore", "onExitCodes": {"operator": "In", "values": [PREEMPTED_EXIT_CODE]}}]},
         "template": {"metadata": {"labels": _labels(run)}, "spec": template_spec},
     }
 

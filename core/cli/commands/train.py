@@ -17,6 +17,8 @@ def _worker_args(args: argparse.Namespace, run_dir: str) -> list[str]:
     for item in _overrides(args):
         out += ["--set", item]
     out += ["--run-dir", run_dir]
+    if args.preempted_exit_code:  # the workers exit with it, so a launcher whose workers stopped by vote does too
+        out += ["--preempted-exit-code", str(args.preempted_exit_code)]
     return out
 
 
@@ -46,6 +48,7 @@ def _check_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc={args.nproc} must be >= 1 (omit it to train in this process)")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0")
+    _check_exit_code(args)
     parts = str(args.nnodes).split(":")
     if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
         raise ConfigError(f"--nnodes={args.nnodes!r} must be a number of nodes N >= 1 or a range MIN:MAX")
@@ -54,6 +57,13 @@ def _check_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nnodes={args.nnodes} needs --run-dir DIR on storage every node shares (each node "
                           "would pick its own timestamped run dir)")
     return nodes
+
+
+def _check_exit_code(args: argparse.Namespace) -> None:
+    from crosstrain.errors import ConfigError
+
+    if not 0 <= args.preempted_exit_code <= 255:
+        raise ConfigError(f"--preempted-exit-code={args.preempted_exit_code} must be an exit status, 0 to 255")
 
 
 def rdzv_id(args: argparse.Namespace, run_dir: str) -> str | None:
@@ -96,6 +106,7 @@ def _launch(args: argparse.Namespace, run_dir: str, argv: list[str] | None) -> i
         return launch(_worker_args(args, run_dir), nproc=args.nproc, max_restarts=args.max_restarts,
                       nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_id=rdzv_id(args, run_dir), run_dir=run_dir,
+                      preempted_exit_code=args.preempted_exit_code,
                       resume=resume_command(argv, run_dir))
     finally:
         if previous is None:
@@ -135,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from crosstrain.engine import Trainer
     from crosstrain.errors import CrosstrainError
 
+    _check_exit_code(args)
     trainer = Trainer(config, run_dir=args.run_dir, resume_argv=argv)
     try:
         summary = trainer.fit()
@@ -149,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['final_loss']:.4f}{_eval_part(summary)}, {summary['tokens_per_s']:,.0f} tok/s, "
               f"{summary['wall_s']:.1f} s; "
               f"run dir {summary['run_dir']}", file=sys.stdout, flush=True)
-    return 0
+    return args.preempted_exit_code if summary and summary.get("preempted") else 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -166,6 +178,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node, with --nproc)")
     p.add_argument("--rdzv-id", default=None, help="job id every node passes alike (multi-node, with --nproc; "
                    "default: derived from --run-dir)")
+    p.add_argument("--preempted-exit-code", type=int, default=0, metavar="N",
+                   help="exit N, not 0, when a signal stopped the run early (after its checkpoint), so a scheduler "
+                   "that restarts failed jobs restarts it and it resumes (crosstrain k8s passes 143)")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="also name the optimizer step, kernels, compile and layout the defaults chose")
     p.set_defaults(func=run)
