@@ -128,8 +128,8 @@ def test_a_misspelled_field_fails_the_validation(tmp_path) -> None:
 @pytest.mark.parametrize("argv, needle", [
     (["--nodes", "0", "--backend", "cuda"], "--nodes=0 must be >= 1"),
     (["--nodes", "2", "--nproc-per-node", "0", "--backend", "cuda"], "--nproc-per-node=0 must be >= 1"),
-    (["--nodes", "2", "--backend", "tpu"], "--backend='tpu' is not a discovered backend"),
-    (["--nodes", "2"], "pods ask for devices by backend: pass --backend cpu|cuda|npu|rocm"),
+    (["--nodes", "2", "--backend", "tpu"], "backend 'tpu' is not a discovered backend; pass --backend cpu|"),
+    (["--nodes", "2"], "pods ask for devices by backend: pass --backend cpu|"),
     (["--nodes", "2", "--backend", "cuda", "--name", "My_Run"], "--name='My_Run' must be a DNS label"),
     (["--nodes", "2", "--backend", "cuda", "--name", "a" * 60], "at most 63 characters"),
     (["--nodes", "2", "--backend", "cuda", "--run-dir-claim", "Runs!"], "is not a PersistentVolumeClaim name"),

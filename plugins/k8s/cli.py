@@ -93,7 +93,7 @@ def _device_resource(backend: str) -> str:
     if backend == "auto":
         raise ConfigError(f"pods ask for devices by backend: pass --backend {names} (or set `backend` in the config)")
     if backend not in found:
-        raise ConfigError(f"--backend={backend!r} is not a discovered backend; pass one of {names}")
+        raise ConfigError(f"backend {backend!r} is not a discovered backend; pass --backend {names}")
     return found[backend].k8s_resource
 
 
@@ -104,10 +104,8 @@ def _k8s(args: argparse.Namespace) -> int:
     from crosstrain.engine.recipe import resolve_recipe
     from crosstrain.plugins.k8s.manifests import K8sRun, manifests
 
-    config = load_config(args.config, args.set or [])
-    backend = args.backend or config.backend
-    resource = _device_resource(backend)
-    config = load_config(args.config, [*(args.set or []), f"backend={backend}"])
+    config = load_config(args.config, [*(args.set or []), *([f"backend={args.backend}"] if args.backend else [])])
+    resource = _device_resource(config.backend)
     check_world(config, args.nodes * args.nproc_per_node)
     resolve_recipe(config.train.recipe)
     run = K8sRun(name=args.name, image=args.image, config_toml=dumps_toml(config.to_dict()), nodes=args.nodes,
