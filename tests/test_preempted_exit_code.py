@@ -24,13 +24,14 @@ def _sets(items: list[str]) -> list[str]:
     return [arg for item in items for arg in ("--set", item)]
 
 
-def _wait_for_steps(metrics: Path, n: int, alive=lambda: True, timeout: float = 120) -> None:
+def _wait_for_steps(metrics: Path, n: int, alive=lambda: True, timeout: float = 120, quiet: bool = False) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and alive():
         if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
             return
         time.sleep(0.05)
-    raise AssertionError(f"{metrics} did not reach {n} steps")
+    if not quiet:
+        raise AssertionError(f"{metrics} did not reach {n} steps")
 
 
 def _worker_of_rank(launcher: int, rank: int) -> int:
@@ -65,12 +66,21 @@ def test_a_rank_signalled_alone_stops_every_rank_and_the_launcher_exits_n(tmp_pa
 def test_one_process_exits_n_after_sigterm_and_0_when_it_finishes(tmp_path, capsys) -> None:
     run_dir = tmp_path / "run"
     argv = ["train", *_sets(TINY), "--run-dir", str(run_dir), "--preempted-exit-code", "75"]
-    signaller = threading.Thread(target=lambda: (_wait_for_steps(run_dir / "metrics.jsonl", 3),
-                                                 os.kill(os.getpid(), signal.SIGTERM)))
+    done = threading.Event()
+
+    def signal_after_3_steps() -> None:
+        # the trainer's SIGTERM handler is installed before its first step is written; signal only while it runs
+        # (a run that failed early has returned, and the signal would end pytest), and at the deadline regardless
+        _wait_for_steps(run_dir / "metrics.jsonl", 3, alive=lambda: not done.is_set(), timeout=120, quiet=True)
+        if not done.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signaller = threading.Thread(target=signal_after_3_steps)
     signaller.start()
     try:
-        code = crosstrain_main(argv)  # the trainer's SIGTERM handler is installed before its first step is written
+        code = crosstrain_main(argv)
     finally:
+        done.set()
         signaller.join()
     assert code == 75, capsys.readouterr().err[-2000:]
     stopped = json.loads((run_dir / "summary.json").read_text())["steps"]
