@@ -25,6 +25,9 @@ from crosstrain.errors import ConfigError, CrosstrainError
 
 #: Slurm's ``--signal=...@S`` takes at most this many seconds
 MAX_SIGNAL_S = 65535
+#: Slurm may send the ``--signal`` up to this much earlier than asked (sbatch(1)); a signal that comes while the
+#: tasks still start up stops them before they can save
+SIGNAL_EARLY_S = 60
 #: the default port of the rendezvous: this plus the job id modulo PORT_SPAN, so two jobs on one node differ
 PORT_BASE, PORT_SPAN = 15000, 20000
 
@@ -82,9 +85,10 @@ def check_job(job: SlurmJob) -> None:
         raise ConfigError(f"--signal-before={job.signal_before_s} must be 1..{MAX_SIGNAL_S} seconds")
     if job.time is not None:
         limit = time_limit_s(job.time)
-        if job.signal_before_s >= limit:
-            raise ConfigError(f"--signal-before={job.signal_before_s} s is not before the end of --time={job.time} "
-                              f"({limit} s); lower --signal-before or raise --time")
+        if limit - job.signal_before_s <= SIGNAL_EARLY_S:
+            raise ConfigError(f"--signal-before={job.signal_before_s} s leaves {limit - job.signal_before_s} s of "
+                              f"--time={job.time} ({limit} s) and Slurm may signal up to {SIGNAL_EARLY_S} s early, "
+                              "before the tasks have started; lower --signal-before or raise --time")
     if job.port is not None and not 1024 <= job.port <= 65535:
         raise ConfigError(f"--port={job.port} must be 1024..65535 (omit it to derive one from the job id)")
     for arg in job.sbatch_args:
@@ -135,7 +139,8 @@ def render(job: SlurmJob, train_argv: Sequence[str], python: str) -> str:
         '# a trapped signal ends `wait` early (status > 128): wait again for the status of srun itself',
         'while [ "$rc" -gt 128 ] && [ "$trapped" = 1 ]; do trapped=0; wait "$step"; rc=$?; done',
         'if [ "$requeue" = 1 ]; then',
-        '  echo "crosstrain slurm: time limit near; the tasks saved in $run_dir (srun exit $rc); requeueing"',
+        '  echo "crosstrain slurm: time limit near, srun exited $rc; requeueing to resume from the newest checkpoint'
+        ' in $run_dir"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "fi",
         'exit "$rc"',

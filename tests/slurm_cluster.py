@@ -20,9 +20,10 @@ from crosstrain.collective import free_port
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
 NODES = ("n1", "n2")
 #: a requeued job waits cred_expire + 1 s before it may start again (Slurm's default: 120 s)
-CRED_EXPIRE_S = 10
-#: CPUs each node declares (``SlurmdParameters=config_overrides`` lets it exceed the host's): 2 tasks fit on one
-CPUS_PER_NODE = 2
+CRED_EXPIRE_S = 5
+#: CPUs each node declares (``SlurmdParameters=config_overrides`` lets it exceed the host's): two jobs of 2 tasks
+#: run side by side on one node
+CPUS_PER_NODE = 4
 
 _CONF = """\
 ClusterName=crosstrain-test
@@ -44,6 +45,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides

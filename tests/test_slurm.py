@@ -24,8 +24,8 @@ import slurm_cluster
 from crosstrain.cli.main import main
 from crosstrain.collective import free_port
 
-# 300 steps of a few ms each: long enough that a signal sent after step 3 lands mid-run, short for CI
-OPTS = ["train.steps=300", "train.batch_size=4", "train.seq_len=32", "parallel.dp_replicate=2", "backend=cpu",
+# 200 steps of a few ms each: long enough that a signal sent after step 3 lands mid-run, short for CI
+OPTS = ["train.steps=200", "train.batch_size=4", "train.seq_len=32", "parallel.dp_replicate=2", "backend=cpu",
         "eval.every=0", "checkpoint.every=0", "logging.progress=none", "logging.tensorboard=false"]
 TIMEOUT = 240
 
@@ -108,7 +108,8 @@ def _read(path: Path) -> str:
         (["--nodes", "0"], "--nodes=0 must be >= 1"),
         (["--ntasks-per-node", "0"], "--ntasks-per-node=0 must be >= 1"),
         (["--time", "1:xx"], "--time='1:xx' is not a Slurm time limit"),
-        (["--time", "2", "--signal-before", "120"], "--signal-before=120 s is not before the end of --time=2"),
+        (["--time", "2", "--signal-before", "120"], "--signal-before=120 s leaves 0 s of --time=2 (120 s)"),
+        (["--time", "1:30", "--signal-before", "30"], "leaves 60 s of --time=1:30 (90 s) and Slurm may signal up"),
         (["--ntasks-per-node", "2", "--set", "parallel.dp_replicate=4"], "does not divide the world size 2"),
         (["--set", "train.stepz=3"], "unknown config key 'train.stepz'"),
         (["--sbatch-arg=--time=5"], "must be one sbatch option such as --account=NAME that crosstrain does not set"),
@@ -132,64 +133,77 @@ def test_submit_without_sbatch_exits_2_and_writes_nothing(tmp_path, capsys, monk
     assert not out.exists()
 
 
-def test_job_sbatch_refuses_exits_2_and_leaves_nothing(slurm, tmp_path) -> None:
+def test_job_sbatch_refuses_exits_2_and_leaves_nothing(slurm, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
     out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "crosstrain", "slurm", "--set", f"train.output_dir={out}",
-                           "--partition", "nosuch", "--submit"], env=slurm.env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
-    assert proc.returncode == 2, proc.stderr
-    err = proc.stderr.strip().splitlines()
+    assert main(["slurm", "--set", f"train.output_dir={out}", "--partition", "nosuch", "--submit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sbatch refused the job" in err[0] and "partition" in err[0].lower(), err
     assert not out.exists()
 
 
-def test_two_tasks_on_one_node_match_nproc_2(slurm, reference, tmp_path) -> None:
-    job_id, run_dir, log = _submit(slurm, tmp_path, "--nodes", "1", "--ntasks-per-node", "2")
-    info = slurm.wait(job_id, ("COMPLETED",), TIMEOUT)
-    assert info["NumNodes"] == "1" and info["NumTasks"] == "2", info
-    summary, ref = _summary(run_dir), reference()
-    assert summary["world_size"] == 2 and summary["steps"] == 300 and not summary["preempted"]
-    assert summary["params_sha256"] == ref["params_sha256"], _read(log)
-
-
-def test_two_nodes_one_task_each_match_nproc_2(slurm, reference, tmp_path) -> None:
+def test_two_task_jobs_match_nproc_2(slurm, reference, tmp_path) -> None:
+    """1 node x 2 tasks and 2 nodes x 1 task (one task on each node daemon), submitted together."""
+    layouts = {"1x2": ("--nodes", "1", "--ntasks-per-node", "2")}
+    if len(slurm.nodes) == 2:
+        layouts["2x1"] = ("--nodes", "2", "--ntasks-per-node", "1")
+    jobs = {}
+    for name, args in layouts.items():
+        (tmp_path / name).mkdir()
+        jobs[name] = _submit(slurm, tmp_path / name, *args)
+    ref = reference()
+    for name, (job_id, run_dir, log) in jobs.items():
+        info = slurm.wait(job_id, ("COMPLETED",), TIMEOUT)
+        assert info["NumTasks"] == "2" and info["NumNodes"] == name[0], info
+        assert info["NodeList"] == ("n[1-2]" if name == "2x1" else info["NodeList"])
+        summary = _summary(run_dir)
+        assert summary["world_size"] == 2 and summary["steps"] == 200 and not summary["preempted"], _read(log)
+        assert summary["params_sha256"] == ref["params_sha256"], (name, _read(log))
     if len(slurm.nodes) < 2:
-        pytest.skip(f"only {slurm.nodes} of {slurm_cluster.NODES} came up: this slurmd cannot run twice on a host")
-    job_id, run_dir, log = _submit(slurm, tmp_path, "--nodes", "2", "--ntasks-per-node", "1")
-    info = slurm.wait(job_id, ("COMPLETED",), TIMEOUT)
-    assert info["NodeList"] == "n[1-2]", info  # one task on each node daemon
-    summary = _summary(run_dir)
-    assert summary["world_size"] == 2 and summary["steps"] == 300
-    assert summary["params_sha256"] == reference()["params_sha256"], _read(log)
+        pytest.skip(f"only {slurm.nodes} of {slurm_cluster.NODES} came up: 2 nodes x 1 task was not run (this "
+                    "slurmd cannot run twice on one host)")
 
 
-def test_time_limit_signal_saves_requeues_and_resumes_exactly(slurm, reference, tmp_path) -> None:
-    job_id, run_dir, log = _submit(slurm, tmp_path, "--nodes", "1", "--ntasks-per-node", "2", "--time", "30",
-                                   "--signal-before", "60")
-    _steps_done(slurm, job_id, run_dir, log, 3)
-    # what Slurm sends at `--signal=B:USR1@60` (60 s before the limit), sent now
-    slurm.run("scancel", "--batch", "--signal=USR1", job_id)
-    info = slurm.wait(job_id, ("COMPLETED",), TIMEOUT, restarts=1)
-    text = log.read_text()
-    assert info["Restarts"] == "1" and "requeueing" in text, text[-3000:]
-    stopped = int(re.search(r"SIGTERM received; finished step (\d+)", text).group(1))
-    assert 3 <= stopped < 300 and f"resumed from {run_dir / 'checkpoints' / f'step_{stopped}'}" in text
-    summary = _summary(run_dir)
-    assert summary["steps"] == 300 and summary["steps_this_run"] == 300 - stopped
-    assert summary["params_sha256"] == reference()["params_sha256"]
-
-
-def test_scancel_term_saves_then_scontrol_requeue_resumes_exactly(slurm, reference, tmp_path) -> None:
-    job_id, run_dir, log = _submit(slurm, tmp_path, "--nodes", "1", "--ntasks-per-node", "2")
-    _steps_done(slurm, job_id, run_dir, log, 3)
-    slurm.run("scancel", "--signal=TERM", job_id)
-    slurm.wait(job_id, ("COMPLETED",), TIMEOUT)  # the tasks saved and exited 0: the job ended, not requeued
+@pytest.fixture(scope="module")
+def preempted(slurm, tmp_path_factory) -> dict[str, tuple[str, Path, Path, int]]:
+    """Two 1 x 2 jobs stopped after step 3 or later, side by side: "limit" gets what Slurm sends at
+    `--signal=B:USR1@60` (USR1 to the batch shell, sent now) and requeues itself; "scancel" gets `scancel
+    --signal=TERM`, ends with a checkpoint and is requeued with `scontrol requeue`. Each: job id, run dir, log,
+    the step it stopped at; both have then finished."""
+    jobs = {}
+    for name, args in {"limit": ("--time", "30", "--signal-before", "60"), "scancel": ()}.items():
+        folder = tmp_path_factory.mktemp(name)
+        jobs[name] = _submit(slurm, folder, "--nodes", "1", "--ntasks-per-node", "2", *args)
+    for name, (job_id, run_dir, log) in jobs.items():
+        _steps_done(slurm, job_id, run_dir, log, 3)
+        if name == "limit":
+            slurm.run("scancel", "--batch", "--signal=USR1", job_id)
+        else:
+            slurm.run("scancel", "--signal=TERM", job_id)
+    job_id, run_dir, log = jobs["scancel"]
+    info = slurm.wait(job_id, ("COMPLETED",), TIMEOUT)  # the tasks saved and exited 0: the job ended
     stopped = _summary(run_dir)
-    assert stopped["preempted"] is True and 3 <= stopped["steps"] < 300, _read(log)
+    assert info["Restarts"] == "0" and stopped["preempted"] is True, _read(log)
     assert (run_dir / "checkpoints" / f"step_{stopped['steps']}").is_dir()
     slurm.run("scontrol", "requeue", job_id)
-    info = slurm.wait(job_id, ("COMPLETED",), TIMEOUT, restarts=1)
-    assert info["Restarts"] == "1"
+    out = {}
+    for name, (job_id, run_dir, log) in jobs.items():
+        slurm.wait(job_id, ("COMPLETED",), TIMEOUT, restarts=1)
+        found = re.search(r"SIGTERM received; finished step (\d+)", log.read_text())
+        assert found, _read(log)
+        out[name] = (job_id, run_dir, log, int(found.group(1)))
+    return out
+
+
+@pytest.mark.parametrize("path", ["limit", "scancel"])
+def test_preempted_job_requeued_resumes_exactly(preempted, reference, path) -> None:
+    """The time-limit signal (the job requeues itself) and `scancel --signal=TERM` + `scontrol requeue`: the run
+    stopped mid-way with a checkpoint and ended with the uninterrupted params_sha256."""
+    job_id, run_dir, log, stopped = preempted[path]
+    text = log.read_text()
+    assert 3 <= stopped < 200, text[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped}'} at step {stopped}" in text
+    assert ("requeueing" in text) == (path == "limit")
     summary = _summary(run_dir)
-    assert summary["steps"] == 300 and summary["steps_this_run"] == 300 - stopped["steps"]
-    assert summary["params_sha256"] == reference()["params_sha256"], _read(log)
+    assert summary["steps"] == 200 and summary["steps_this_run"] == 200 - stopped and not summary["preempted"]
+    assert summary["params_sha256"] == reference()["params_sha256"]
