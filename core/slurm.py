@@ -89,6 +89,10 @@ def check_job(job: SlurmJob) -> None:
             raise ConfigError(f"--signal-before={job.signal_before_s} s leaves {limit - job.signal_before_s} s of "
                               f"--time={job.time} ({limit} s) and Slurm may signal up to {SIGNAL_EARLY_S} s early, "
                               "before the tasks have started; lower --signal-before or raise --time")
+    for flag, path in (("train.output_dir", job.log), ("the working directory", job.workdir)):
+        if any(ch.isspace() for ch in path):
+            raise ConfigError(f"{flag} {path!r} holds whitespace, which an #SBATCH line cannot carry; use a path "
+                              "without spaces")
     if job.port is not None and not 1024 <= job.port <= 65535:
         raise ConfigError(f"--port={job.port} must be 1024..65535 (omit it to derive one from the job id)")
     for arg in job.sbatch_args:

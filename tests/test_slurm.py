@@ -125,6 +125,13 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, args, needle) ->
     assert not out.exists() and not (tmp_path / "s").exists()
 
 
+def test_output_dir_with_a_space_exits_2_and_writes_nothing(tmp_path, capsys) -> None:
+    out = tmp_path / "my runs"
+    assert main(["slurm", "--set", f"train.output_dir={out}"]) == 2
+    assert "holds whitespace, which an #SBATCH line cannot carry" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_submit_without_sbatch_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # a host without Slurm's clients
     out = tmp_path / "runs"
