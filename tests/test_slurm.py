@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -24,8 +26,8 @@ import slurm_cluster
 from crosstrain.cli.main import main
 from crosstrain.collective import free_port
 
-# 200 steps of a few ms each: long enough that a signal sent after step 3 lands mid-run, short for CI
-OPTS = ["train.steps=200", "train.batch_size=4", "train.seq_len=32", "parallel.dp_replicate=2", "backend=cpu",
+# 120 steps of a few ms each: long enough that a signal sent after step 3 lands mid-run, short for CI
+OPTS = ["train.steps=120", "train.batch_size=4", "train.seq_len=32", "parallel.dp_replicate=2", "backend=cpu",
         "eval.every=0", "checkpoint.every=0", "logging.progress=none", "logging.tensorboard=false"]
 TIMEOUT = 240
 
@@ -76,26 +78,36 @@ def reference(tmp_path_factory):
 
 
 def _submit(slurm, folder: Path, *args: str) -> tuple[str, Path, Path]:
-    """``crosstrain slurm OPTS ARGS --submit`` from ``folder``; the job id, its run dir and its log."""
-    proc = subprocess.run([sys.executable, "-m", "crosstrain", "slurm", *_sets([*OPTS, f"train.output_dir={folder}"]),
-                           "--port", str(free_port()), *args, "--submit"], cwd=folder, env=slurm.env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    job_id = re.search(r"submitted batch job (\d+)", proc.stdout).group(1)
+    """``crosstrain slurm OPTS ARGS --submit`` run from ``folder`` (in this process: no second torch import), with
+    the environment the job inherits through sbatch; the job id, its run dir and its log."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        for key in set(os.environ) - set(slurm.env):
+            mp.delenv(key)
+        for key, value in slurm.env.items():
+            mp.setenv(key, value)
+        mp.chdir(folder)
+        code = main(["slurm", *_sets([*OPTS, f"train.output_dir={folder}"]), "--port", str(free_port()), *args,
+                     "--submit"])
+    assert code == 0, out.getvalue()
+    job_id = re.search(r"submitted batch job (\d+)", out.getvalue()).group(1)
     return job_id, folder / f"slurm-{job_id}", folder / f"slurm-{job_id}.out"
 
 
-def _steps_done(slurm, job_id: str, run_dir: Path, log: Path, steps: int) -> None:
-    """Wait until the job's run has recorded ``steps`` steps."""
-    metrics = run_dir / "metrics.jsonl"
+def _signal_at_step(slurm, jobs: dict[str, tuple[str, Path, Path]], step: int, signals: dict[str, list[str]]) -> None:
+    """Send each job its signal (scancel arguments) as soon as its run has recorded ``step`` steps."""
+    waiting = dict(jobs)
     deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        if slurm.job(job_id)["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING"):
-            break
+    while waiting and time.monotonic() < deadline:
+        for name, (job_id, run_dir, log) in list(waiting.items()):
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
+                slurm.run("scancel", *signals[name], job_id)
+                del waiting[name]
+            elif slurm.job(job_id)["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING"):
+                raise AssertionError(f"job {job_id} ended before step {step}: {slurm.job(job_id)}\n{_read(log)}")
         time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not reach step {steps}: {slurm.job(job_id)}\n{_read(log)}")
+    assert not waiting, f"{sorted(waiting)} did not reach step {step} in {TIMEOUT} s"
 
 
 def _read(path: Path) -> str:
@@ -164,7 +176,7 @@ def test_two_task_jobs_match_nproc_2(slurm, reference, tmp_path) -> None:
         assert info["NumTasks"] == "2" and info["NumNodes"] == name[0], info
         assert info["NodeList"] == ("n[1-2]" if name == "2x1" else info["NodeList"])
         summary = _summary(run_dir)
-        assert summary["world_size"] == 2 and summary["steps"] == 200 and not summary["preempted"], _read(log)
+        assert summary["world_size"] == 2 and summary["steps"] == 120 and not summary["preempted"], _read(log)
         assert summary["params_sha256"] == ref["params_sha256"], (name, _read(log))
     if len(slurm.nodes) < 2:
         pytest.skip(f"only {slurm.nodes} of {slurm_cluster.NODES} came up: 2 nodes x 1 task was not run (this "
@@ -181,12 +193,7 @@ def preempted(slurm, tmp_path_factory) -> dict[str, tuple[str, Path, Path, int]]
     for name, args in {"limit": ("--time", "30", "--signal-before", "60"), "scancel": ()}.items():
         folder = tmp_path_factory.mktemp(name)
         jobs[name] = _submit(slurm, folder, "--nodes", "1", "--ntasks-per-node", "2", *args)
-    for name, (job_id, run_dir, log) in jobs.items():
-        _steps_done(slurm, job_id, run_dir, log, 3)
-        if name == "limit":
-            slurm.run("scancel", "--batch", "--signal=USR1", job_id)
-        else:
-            slurm.run("scancel", "--signal=TERM", job_id)
+    _signal_at_step(slurm, jobs, 3, {"limit": ["--batch", "--signal=USR1"], "scancel": ["--signal=TERM"]})
     job_id, run_dir, log = jobs["scancel"]
     info = slurm.wait(job_id, ("COMPLETED",), TIMEOUT)  # the tasks saved and exited 0: the job ended
     stopped = _summary(run_dir)
@@ -208,9 +215,9 @@ def test_preempted_job_requeued_resumes_exactly(preempted, reference, path) -> N
     stopped mid-way with a checkpoint and ended with the uninterrupted params_sha256."""
     job_id, run_dir, log, stopped = preempted[path]
     text = log.read_text()
-    assert 3 <= stopped < 200, text[-3000:]
+    assert 3 <= stopped < 120, text[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped}'} at step {stopped}" in text
     assert ("requeueing" in text) == (path == "limit")
     summary = _summary(run_dir)
-    assert summary["steps"] == 200 and summary["steps_this_run"] == 200 - stopped and not summary["preempted"]
+    assert summary["steps"] == 120 and summary["steps_this_run"] == 120 - stopped and not summary["preempted"]
     assert summary["params_sha256"] == reference()["params_sha256"]
