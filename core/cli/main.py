@@ -18,7 +18,7 @@ from crosstrain.fault.peer_loss import EXIT_PEER_LOST, is_peer_loss
 
 #: core subcommand modules under ``crosstrain.cli.commands``; each defines ``add_parser(subparsers)``.
 CORE_COMMANDS = ("train", "eval", "data", "tokenizer", "checkpoint", "backends", "plugins", "kernels",
-                 "doctor", "models", "config")
+                 "doctor", "models", "config", "slurm")
 
 
 class _Parser(argparse.ArgumentParser):
