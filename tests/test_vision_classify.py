@@ -1,7 +1,7 @@
 """``--recipe classify`` on the embedded digits, end to end: held-out top-1 >= 0.98 with the defaults, the same
-losses on 2 FSDP2 ranks (rel 1e-5 over the first 50 steps) and top-1 >= 0.98 there too, a SIGKILLed run resumed to the uninterrupted params_sha256, per-class precision
-and recall equal to scikit-learn's on the same predictions, and the bad inputs (one line, exit 2, nothing
-written)."""
+losses on 2 FSDP2 ranks (rel 1e-5 over the first 50 steps) and top-1 >= 0.98 there too, a SIGKILLed run resumed to
+the uninterrupted params_sha256, per-class precision and recall consistent with the confusion matrix, and the bad
+inputs (one line, exit 2, nothing written)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,37 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(reference, tmp_path) ->
     resumed, ref = (json.loads((r / "summary.json").read_text()) for r in (run, reference))
     assert resumed["steps"] == 400 and resumed["steps_this_run"] < 400
     assert resumed["params_sha256"] == ref["params_sha256"]
+
+
+def test_crosstrain_eval_of_the_run_reports_what_training_reported(reference, capsys) -> None:
+    capsys.readouterr()
+    assert crosstrain_main(["eval", str(reference), "--json", "--set", "eval.max_batches=0"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    last = _metrics(reference)[-1]
+    assert got["samples"] == 368 and got["loss"] == pytest.approx(last["eval/loss"], rel=1e-6)
+    for key in ("eval/top1", "eval/top5", "eval/recall/3", "eval/precision/8", "eval/macro_recall"):
+        assert got[key] == pytest.approx(last[key], abs=1e-6), key
+
+
+def test_ema_resumes_and_two_ranks_equal_one(tmp_path) -> None:
+    sets = ("logging.progress=none", "backend=cpu", "train.steps=30", "eval.every=30", "eval.max_batches=0",
+            "checkpoint.every=15", "classify.ema_decay=0.9", "classify.ema_warmup=true")
+    assert crosstrain_main(_argv(tmp_path / "one", *sets)) == 0
+    one = _metrics(tmp_path / "one")[-1]
+    assert {"eval/ema/loss", "eval/ema/top1", "eval/ema/recall/0"} <= set(one)
+    assert one["eval/ema/loss"] != one["eval/loss"]
+    # resumed from step 15: the EMA weights came back with the checkpoint
+    resumed_dir = tmp_path / "resumed"
+    halfway = tmp_path / "one" / "checkpoints" / "step_15"
+    assert crosstrain_main(_argv(resumed_dir, *sets, f"checkpoint.resume={halfway}")) == 0
+    resumed = _metrics(resumed_dir)[-1]
+    assert resumed["eval/ema/loss"] == one["eval/ema/loss"] and resumed["eval/loss"] == one["eval/loss"]
+    # 2 FSDP2 ranks: the EMA reads the gathered full tensors
+    proc = subprocess.run([sys.executable, "-m", "crosstrain", *_argv(tmp_path / "two", *sets, "parallel.dp_shard=2"),
+                           "--nproc", "2"], capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = _metrics(tmp_path / "two")[-1]
+    assert two["eval/ema/loss"] == pytest.approx(one["eval/ema/loss"], rel=1e-4)
 
 
 def _bad(tmp_path: Path, capsys, *sets: str, nproc: int = 1) -> str:

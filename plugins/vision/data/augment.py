@@ -1,24 +1,39 @@
 """Augmentation from TOML through torchvision.transforms.v2, applied with a seed per sample.
 
 ``vision.augment`` is a list of tables ``{name = "<v2 class>", <arguments>}`` built in order into a
-``v2.Compose``. Each sample is transformed inside ``torch.random.fork_rng`` seeded by :func:`sample_seed`, so the
+``v2.Compose``. Each sample is transformed with torch's CPU generator seeded by :func:`sample_seed`, so the
 pixels of sample ``i`` in epoch ``e`` depend only on ``(train.seed, e, i)``: the same after a resume, on any
-number of ranks or workers, and the run's own RNG stream is left as it was.
+number of ranks or workers, and the run's own RNG stream is left as it was (:func:`rng_restored`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from crosstrain.errors import ConfigError
 
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea and Flood 2014): a well-mixed 64-bit hash of ``z``."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
 
 def sample_seed(seed: int, epoch: int, index: int, stream: int = 0) -> int:
-    """A 63-bit seed from ``(seed, epoch, index, stream)`` (numpy's SeedSequence hash: well mixed, stable)."""
-    return int(np.random.SeedSequence([seed, epoch, index, stream]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+    """A 63-bit seed from ``(seed, epoch, index, stream)``: SplitMix64 chained over the four values (stable across
+    runs, platforms and Python versions, unlike ``hash``)."""
+    z = 0
+    for v in (seed, epoch, index, stream):
+        z = _splitmix64(z ^ (v & _MASK))
+    return z >> 1
 
 
 def build_transform(specs: list[dict[str, Any]], image_size: int = 0) -> Any:
@@ -58,11 +73,22 @@ def eval_transform(image_size: int) -> Any:
     return v2.Compose([v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])
 
 
-def seeded(transform: Any, image: torch.Tensor, seed: int) -> torch.Tensor:
-    """``transform(image)`` with torch's CPU RNG seeded by ``seed``, the caller's RNG state restored after."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transform(image)
+@contextlib.contextmanager
+def rng_restored() -> Iterator[None]:
+    """Restore torch's CPU RNG state on leaving (:func:`seeded` calls inside it reseed it): the loop's own random
+    stream, checkpointed with the run, does not move. Cheaper than ``torch.random.fork_rng`` per sample."""
+    state = torch.default_generator.get_state()
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(state)
+
+
+def seeded(transform: Any, inputs: Any, seed: int) -> Any:
+    """``transform(inputs)`` with torch's CPU generator seeded by ``seed`` (the v2 transforms draw from it); call
+    inside :func:`rng_restored`."""
+    torch.default_generator.manual_seed(seed)
+    return transform(inputs)
 
 
 def normalize(images: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from crosstrain.plugins.vision.data.augment import build_transform, eval_transform, normalize, sample_seed, seeded
+from crosstrain.plugins.vision.data.augment import (
+    build_transform,
+    eval_transform,
+    normalize,
+    rng_restored,
+    sample_seed,
+    seeded,
+)
 from crosstrain.plugins.vision.data.mix import Mix
 from crosstrain.plugins.vision.data.sources import Source
 
@@ -54,9 +61,9 @@ class SampleMaker:
         return self._transform
 
     def image(self, i: int, seed: int) -> torch.Tensor:
+        """Image ``i`` transformed with ``seed`` (uint8, not yet normalised)."""
         img = self.source.load(i)
-        img = self.transform(img) if self.augment is None else seeded(self.transform, img, seed)
-        return normalize(img.unsqueeze(0), self.mean, self.std)[0]
+        return self.transform(img) if self.augment is None else seeded(self.transform, img, seed)
 
     @property
     def random(self) -> bool:
@@ -71,13 +78,15 @@ class SampleMaker:
     def __call__(self, epoch: int, k: int, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         image = self.image(i, sample_seed(self.seed, epoch, k, AUGMENT))
         if self.augment is None or not self.mix.on:
-            return image, None
+            return image, None  # normalised with its batch
+        image = normalize(image.unsqueeze(0), self.mean, self.std)[0]
         onehot = torch.nn.functional.one_hot(torch.tensor(int(self.source.labels[i])), self.num_classes).float()
         plan = self.mix.plan(sample_seed(self.seed, epoch, k, PLAN), len(self.source))
         if plan is None:
             return image, onehot
         method, j = plan
-        pair = torch.stack([image, self.image(j, sample_seed(self.seed, epoch, k, PARTNER))])
+        partner = normalize(self.image(j, sample_seed(self.seed, epoch, k, PARTNER)).unsqueeze(0), self.mean, self.std)
+        pair = torch.stack([image, partner[0]])
         labels = torch.tensor([int(self.source.labels[i]), int(self.source.labels[j])])
         return self.mix.apply(method, pair, labels, self.num_classes, sample_seed(self.seed, epoch, k, MIX))
 
@@ -88,12 +97,17 @@ _WORKER: SampleMaker | None = None
 def _init_worker(maker: SampleMaker) -> None:
     global _WORKER
     torch.set_num_threads(1)  # the workers share the host with the training process
-    _WORKER = maker
+    _WORKER = maker  # a worker process's own RNG: nothing of the run's to restore
 
 
 def _make(items: list[tuple[int, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     assert _WORKER is not None
     return [_WORKER(*item) for item in items]
+
+
+def _make_here(maker: SampleMaker, items: list[tuple[int, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    with rng_restored():
+        return [maker(*item) for item in items]
 
 
 class ImageDataset:
@@ -134,14 +148,17 @@ class ImageDataset:
             out["images"] = self.maker.images(images)
         else:
             samples = self._run([(self.epoch, k, int(i)) for k, i in zip(positions, images, strict=True)])
-            out["images"] = torch.stack([s[0] for s in samples])
-            if samples[0][1] is not None:
+            stacked = torch.stack([s[0] for s in samples])
+            if samples[0][1] is not None:  # mixed: normalised before mixing
+                out["images"] = stacked
                 out["targets"] = torch.stack([s[1] for s in samples])  # type: ignore[misc]
+            else:
+                out["images"] = normalize(stacked, self.maker.mean, self.maker.std)
         return {k: self.pin(v) for k, v in out.items()} if self.pin is not None else out
 
     def _run(self, items: list[tuple[int, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         if self.workers <= 0 or len(items) < 2:
-            return [self.maker(*item) for item in items]
+            return _make_here(self.maker, items)
         if self._pool is None:  # spawned once: a fork of a process that runs torch's thread pools can hang
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_init_worker, initargs=(self.maker,))

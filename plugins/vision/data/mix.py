@@ -36,11 +36,12 @@ class Mix:
     def apply(self, method: str, pair: torch.Tensor, labels: torch.Tensor, num_classes: int,
               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first image of ``pair [2, C, H, W]`` mixed with the second, and its soft label ``[num_classes]``."""
-        from crosstrain.plugins.vision.data.augment import seeded
+        from crosstrain.plugins.vision.data.augment import rng_restored, seeded
         from crosstrain.plugins.vision.tv import v2 as transforms
 
         v2 = transforms()
         transform = (v2.MixUp(alpha=self.mixup_alpha, num_classes=num_classes) if method == "mixup"
                      else v2.CutMix(alpha=self.cutmix_alpha, num_classes=num_classes))
-        images, soft = seeded(lambda x: transform(*x), (pair, labels), seed)
+        with rng_restored():  # also outside a batch (the plan's own generator is separate)
+            images, soft = seeded(lambda x: transform(*x), (pair, labels), seed)
         return images[0], soft[0]
