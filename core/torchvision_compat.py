@@ -19,14 +19,20 @@ from pathlib import Path
 from typing import Any
 
 _LIB: Any = None
+_CHECKED = False
 
 
 def define_missing_ops() -> None:
-    """Define ``torchvision::nms`` / ``qnms`` unless torchvision's extension loads (then it defines them)."""
-    global _LIB
+    """Define ``torchvision::nms`` / ``qnms`` unless torchvision's extension loads (then it defines them). Once
+    per process; the import hook is removed first (``find_spec`` below would run it again)."""
+    global _LIB, _CHECKED
+    if _CHECKED:
+        return
+    _CHECKED = True
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
     import torch
 
-    if _LIB is not None or hasattr(torch.ops.torchvision, "nms"):
+    if torch._C._jit_get_schemas_for_operator("torchvision::nms"):
         return
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.submodule_search_locations:
@@ -48,7 +54,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if name == "torchvision":
-            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
             define_missing_ops()
         return None  # the regular finders import it
 

@@ -182,3 +182,29 @@ def test_augment_tables_round_trip_through_the_run_config() -> None:
     text = dumps_toml(config.to_dict())
     assert 'augment = [{name = "RandomAffine", degrees = 10, translate = [0.1, 0.1]}' in text
     assert config.section("vision").augment == parse_value(aug)
+
+
+def test_layer_decay_gives_each_parameter_timms_learning_rate() -> None:
+    from timm.optim import param_groups_layer_decay
+
+    from crosstrain.config import load_config
+    from crosstrain.engine.run import build_run
+    from crosstrain.plugins.vision.classify.models import build_classifier
+
+    cfg = load_config(None, ["train.recipe=classify", "classify.model=timm:resnet18", "classify.layer_decay=0.6",
+                             "backend=cpu", "schedule.warmup_steps=0", "schedule.name=constant", "optim.lr=0.01"])
+    reference = build_classifier("timm:resnet18", 10, 1)
+    expected = {n: g["lr_scale"] * 0.01 for g in param_groups_layer_decay(reference, layer_decay=0.6)
+                for n, p in reference.named_parameters() for q in g["params"] if p is q}
+    assert len(set(expected.values())) > 5  # stem, four stages, head
+    run = build_run(cfg)
+    try:
+        model = run.models["model"]
+        lr_of = {id(p): g["lr"] for g in model.optimizer.param_groups for p in g["params"]}
+        got = {n: lr_of[id(p)] for n, p in model.module.named_parameters()}
+        assert got.keys() == expected.keys()
+        for name, lr in expected.items():
+            assert got[name] == pytest.approx(lr, rel=1e-9), name
+        assert max(got.values()) == pytest.approx(0.01) and got["fc.weight"] == pytest.approx(0.01)
+    finally:
+        run.close()

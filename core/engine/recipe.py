@@ -39,6 +39,9 @@ class ModelSpec:
     #: yes, frozen ones no, so a model loaded frozen from ``source`` keeps those weights (its SHA-256 is the
     #: source's). A frozen copy of a trainable model (a reference policy) sets True to stay its copy.
     transform: bool | None = None
+    #: learning-rate multiplier per parameter name (``module.named_parameters()``, before parallelisation); names
+    #: not listed train at 1.0. Layer-wise lr decay for fine-tuning (timm's ``param_groups_layer_decay``).
+    lr_scale: dict[str, float] = field(default_factory=dict)
 
     @property
     def transformable(self) -> bool:

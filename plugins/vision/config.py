@@ -62,6 +62,8 @@ class ClassifySection(BaseModel):
     ema_decay: float = Field(default=0.0, ge=0, lt=1, description="keep an exponential moving average of the "
                              "weights (timm's ModelEmaV3) with this decay, evaluated as eval/ema/*; 0 = off")
     ema_warmup: bool = Field(default=False, description="EMA: timm's warmup of the decay (1 - (1 + step)^-2/3)")
+    layer_decay: float = Field(default=0.0, ge=0, le=1, description="layer-wise lr decay for fine-tuning (timm's "
+                               "param_groups_layer_decay): layer i of L trains at lr x decay^(L-1-i); 0 = off")
     top_k: int = Field(default=5, ge=2, description="the second accuracy reported: top-k (when there are more "
                        "than k classes)")
     confusion_max: int = Field(default=20, ge=0, description="report the confusion matrix (eval/confusion/<true>/"

@@ -30,6 +30,21 @@ if TYPE_CHECKING:
     from crosstrain.engine.context import RunContext
 
 
+def layer_scales(model: nn.Module, decay: float) -> dict[str, float]:
+    """Each parameter's lr multiplier from timm's ``param_groups_layer_decay`` (BEiT's layer-wise decay: layers by the
+    model's ``group_matcher``, else timm's automatic grouping; the head at 1.0); empty when ``decay`` is 0."""
+    if not decay:
+        return {}
+    from crosstrain.plugins.vision.tv import timm
+
+    timm()
+    from timm.optim import param_groups_layer_decay
+
+    ids = {id(p): n for n, p in model.named_parameters()}
+    groups = param_groups_layer_decay(model, weight_decay=0.0, layer_decay=decay)
+    return {ids[id(p)]: float(g["lr_scale"]) for g in groups for p in g["params"]}
+
+
 class ClassifyRecipe(Recipe):
     """Image classification (module docstring)."""
 
@@ -90,7 +105,7 @@ class ClassifyRecipe(Recipe):
             from crosstrain.plugins.vision.classify.ema import Ema
 
             self.ema = Ema(model, self.sec.ema_decay, self.sec.ema_warmup, context.device)
-        return {"model": ModelSpec(model)}
+        return {"model": ModelSpec(model, lr_scale=layer_scales(model, self.sec.layer_decay))}
 
     def _dataset(self, context: RunContext, source: Source, train: bool) -> ImageDataset:
         from crosstrain.plugins.vision.data.sampling import sample_weights
@@ -167,4 +182,5 @@ class ClassifyRecipe(Recipe):
         sec = self.sec
         return {"classify": {"model": sec.model,
                              "num_classes": self.num_classes, "loss": sec.loss, "sampling": sec.sampling,
-                             "class_weights": sec.class_weights, "ema_decay": sec.ema_decay}}
+                             "class_weights": sec.class_weights, "ema_decay": sec.ema_decay,
+                             "layer_decay": sec.layer_decay}}
