@@ -7,7 +7,10 @@ plugins register through pluggy under the ``crosstrain`` entry-point group.
 
 from __future__ import annotations
 
+from crosstrain import torchvision_compat
 from crosstrain.hookspecs import hookimpl
+
+torchvision_compat.install()  # torchvision imports on the CPU build of torch (transformers imports it)
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
-"""Minimal TOML reading (tomllib/tomli) and writing for configs: scalars, lists and nested tables, with comments."""
+"""Minimal TOML reading (tomllib/tomli) and writing for configs: scalars, lists (of inline tables too) and nested
+tables, with comments."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def _scalar(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_scalar(v) for v in value if v is not None) + "]"
+    if isinstance(value, dict):  # a table inside a list (vision.augment): inline
+        return "{" + ", ".join(f"{_key(k)} = {_scalar(v)}" for k, v in value.items() if v is not None) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 

@@ -95,6 +95,7 @@ def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: Traine
         return {}
     means = (sums / n).tolist()
     result = {f"eval/{name}": value for name, value in zip(names, means, strict=True)}
+    result.update(recipe.derive_eval_metrics(result))
     if recipe.loss_is_token_nll:
         loss = result["eval/loss"]
         result["eval/perplexity"] = math.exp(loss) if loss < 700 else float("inf")

@@ -43,7 +43,11 @@ def train_step(run: Run, counters: Counters, checkpoints: Any = None) -> dict[st
     :class:`~crosstrain.checkpoint.manager.CheckpointManager` whose async save the step fences, if any."""
     cfg, recipe, trainable = run.config, run.recipe, run.trainable
     t0 = time.perf_counter()
-    micro = [stepmod.to_device(run.dataset.batch(idx), run.device) for idx in run.sampler.next_step()]
+    draws = run.sampler.next_step()
+    set_epoch = getattr(run.dataset, "set_epoch", None)
+    if set_epoch is not None:  # per-sample augmentation is seeded by (train.seed, epoch, index): docs/recipes.md
+        set_epoch(run.sampler.epoch)
+    micro = [stepmod.to_device(run.dataset.batch(idx), run.device) for idx in draws]
     micro = recipe.prepare_step(micro, run.context)
     t_data = time.perf_counter() - t0
     tokens, positions = step_tokens(run, micro)

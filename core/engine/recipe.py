@@ -39,6 +39,9 @@ class ModelSpec:
     #: yes, frozen ones no, so a model loaded frozen from ``source`` keeps those weights (its SHA-256 is the
     #: source's). A frozen copy of a trainable model (a reference policy) sets True to stay its copy.
     transform: bool | None = None
+    #: learning-rate multiplier per parameter name (``module.named_parameters()``, before parallelisation); names
+    #: not listed train at 1.0. Layer-wise lr decay for fine-tuning (timm's ``param_groups_layer_decay``).
+    lr_scale: dict[str, float] = field(default_factory=dict)
 
     @property
     def transformable(self) -> bool:
@@ -58,7 +61,9 @@ class MicroBatchLoss:
 
 @runtime_checkable
 class RecipeDataset(Protocol):
-    """Samples addressed by index; the loop's resumable sampler picks the indices for each rank."""
+    """Samples addressed by index; the loop's resumable sampler picks the indices for each rank. A dataset may
+    also have ``set_epoch(epoch)``: the loop calls it before each step's ``batch`` calls with the sampler's epoch
+    of those indices (per-sample augmentation seeded by epoch and index resumes exactly)."""
 
     def __len__(self) -> int: ...
 
@@ -131,6 +136,12 @@ class Recipe:
         Defaults to :meth:`loss`; metrics are reported as ``eval/<name>``.
         """
         return self.loss(models, batch)
+
+    def derive_eval_metrics(self, results: Mapping[str, float]) -> dict[str, float]:
+        """Metrics computed from a whole evaluation's averaged ones (``{"eval/<name>": value}``), added to them:
+        ratios of averaged shares such as per-class precision and recall. Every rank calls it with the same
+        values, in the loop and in ``crosstrain eval``."""
+        return {}
 
     def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` that the pipeline schedule feeds its first and last stage."""

@@ -334,10 +334,20 @@ def _build_models(
         )
         slot = TrainedModel(name, pm, spec.trainable, spec.source or f"recipe {recipe.name}", sha)
         if spec.trainable and not for_eval:
-            slot.optimizer = build_optimizer(slot.params, cfg.optim, device, backend=backend)
+            scales = _lr_scales(spec.lr_scale, slot.module) if spec.lr_scale else None
+            slot.optimizer = build_optimizer(slot.params, cfg.optim, device, backend=backend, lr_scales=scales)
             slot.schedule = build_schedule(slot.optimizer, cfg.schedule, cfg.schedule.total_steps or cfg.train.steps)
         models[name] = slot
     return models, choice
+
+
+def _lr_scales(by_name: dict[str, float], module: torch.nn.Module) -> dict[int, float]:
+    """A recipe's per-name lr multipliers keyed by the parallelised parameters' ids (their names lose the wrappers'
+    prefixes: DDP's ``module.``, compile's ``_orig_mod.``)."""
+    from crosstrain.parallel.state import clean_name
+
+    return {id(p): by_name[clean_name(n, ddp=True)] for n, p in module.named_parameters()
+            if clean_name(n, ddp=True) in by_name}
 
 
 def _set_threads(threads: int, models: list[torch.nn.Module], undo: list[Callable[[], None]]) -> None:

@@ -10,18 +10,28 @@ import torch
 from crosstrain.errors import ConfigError
 
 
-def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: tensors with >= 2 dims get ``weight_decay``, vectors (norm weights, biases) get none."""
+def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float,
+                 lr_scales: dict[int, float] | None = None) -> list[dict[str, Any]]:
+    """Two groups: tensors with >= 2 dims get ``weight_decay``, vectors (norm weights, biases) get none. With
+    ``lr_scales`` (``{id(param): multiplier}``), each is split further by multiplier, kept as ``lr_scale``."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for p in params:
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+    if not lr_scales:
+        groups = [{"params": decay, "weight_decay": weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return groups
+    out: list[dict[str, Any]] = []
+    for members, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        scales = sorted({lr_scales.get(id(p), 1.0) for p in members}, reverse=True)
+        for scale in scales:
+            out.append({"params": [p for p in members if lr_scales.get(id(p), 1.0) == scale], "weight_decay": wd,
+                        "lr_scale": scale})
+    return out
 
 
 def torch_hyper(optim_cfg: Any) -> dict[str, Any]:
@@ -34,17 +44,22 @@ def torch_hyper(optim_cfg: Any) -> dict[str, Any]:
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg: Any, device: torch.device | None = None,
-                    backend: Any = None) -> torch.optim.Optimizer:
+                    backend: Any = None, lr_scales: dict[int, float] | None = None) -> torch.optim.Optimizer:
     """An optimizer for ``params`` from an ``[optim]`` section; ``offload = true`` uses the host optimizer.
 
     ``optim.impl``: ``torch`` builds ``torch.optim``; ``native`` the active ``backend``'s fast step
     (:meth:`crosstrain.backend.Backend.fast_optimizer`, an error where it has none); ``auto`` the fast step where
     the backend has one, else ``torch.optim``. The choice is on the optimizer as ``crosstrain_impl``.
+    ``lr_scales`` (``{id(param): multiplier}``) gives groups their own learning rate, ``optim.lr x multiplier``,
+    which the LR schedule then scales like every group's.
     """
     params = list(params)
     if not params:
         raise ConfigError("the model has no trainable parameters")
     impl = getattr(optim_cfg, "impl", "torch")
+    if optim_cfg.offload and lr_scales:
+        raise ConfigError("optim.offload=true steps one learning rate for all parameters; set optim.offload=false "
+                          "for per-layer learning rates (classify.layer_decay)")
     if optim_cfg.offload:
         try:
             from crosstrain.optim.offload import OffloadOptimizer
@@ -55,8 +70,11 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg: Any, device
         opt: torch.optim.Optimizer = OffloadOptimizer(params, optim_cfg, device, reference=impl == "torch")
         opt.crosstrain_impl = "offload-reference" if impl == "torch" else "offload"  # type: ignore[attr-defined]
         return opt
-    groups = param_groups(params, optim_cfg.weight_decay)
+    groups = param_groups(params, optim_cfg.weight_decay, lr_scales)
     hyper = torch_hyper(optim_cfg)
+    for group in groups:
+        if "lr_scale" in group:
+            group["lr"] = hyper["lr"] * group.pop("lr_scale")
     if impl != "torch" and backend is not None:
         fast = backend.fast_optimizer(optim_cfg.name, groups, hyper)
         if fast is not None:

@@ -1,0 +1,2 @@
+"""The ``vision`` plugin: image recipes on the same engine (docs/vision.md). ``--recipe classify``
+(:mod:`crosstrain.plugins.vision.classify`) over image data (:mod:`crosstrain.plugins.vision.data`)."""
