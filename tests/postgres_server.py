@@ -41,7 +41,7 @@ def binaries() -> Path | None:
     return Path(found[-1]).parent if found else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -69,7 +69,7 @@ def postgres() -> Iterator[Server]:
         for path in (root, sock, root / "pw"):
             os.chown(path, owner.pw_uid, owner.pw_gid)
     superuser = owner.pw_name if owner is not None else pwd.getpwuid(os.geteuid()).pw_name
-    port = _free_port()
+    port = free_port()
 
     def run(*argv: str) -> None:
         subprocess.run([*as_user, *argv], check=True, capture_output=True, timeout=120)

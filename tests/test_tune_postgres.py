@@ -24,8 +24,9 @@ pytest.importorskip("optuna")
 pytest.importorskip("psycopg")
 
 from in_process import crosstrain_main  # noqa: E402
+from mysql_server import mariadb  # noqa: E402, F401  (the session fixtures)
 from one_line import one_line_error  # noqa: E402
-from postgres_server import Server, postgres  # noqa: E402, F401  (the session fixture)
+from postgres_server import Server, postgres  # noqa: E402, F401
 from test_tune_kill import TINY, _processes_mentioning, _sets  # noqa: E402
 
 # the random sampler draws trial k with seed + k and reads no history, so which tuner asks for trial k does not
@@ -55,6 +56,16 @@ def pgpass(postgres: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 def _url(server: Server) -> str:
     return f"postgresql://crosstrain@{server.host}:{server.port}/tune"
+
+
+@pytest.fixture(params=["postgresql", "mysql"])
+def server_url(request: pytest.FixtureRequest) -> str:
+    """A storage URL on each server: PostgreSQL (its password in ``.pgpass``) and MariaDB (where installed)."""
+    if request.param == "postgresql":
+        request.getfixturevalue("pgpass")
+        return _url(request.getfixturevalue("postgres"))
+    pytest.importorskip("pymysql")
+    return request.getfixturevalue("mariadb").url()
 
 
 def _tune(space: Path, out: Path, url: str, study: str, trials: int) -> list[str]:
@@ -140,8 +151,8 @@ def test_three_tuners_nine_trials_one_killed_and_resumed(postgres: Server, pgpas
 
 
 def open_study(space: Path, url: str) -> tuple:
-    """What a tuner opens, with heartbeats every 3 s (stale after 6 s: a WAIT comes well within that on a loaded
-    machine): the space's settings and params, the storage and the study ``elsewhere``."""
+    """What a tuner opens, with heartbeats every 3 s (stale after 6 s): the space's settings and params, the
+    storage and the study ``elsewhere``."""
     from crosstrain.config import load_config
     from crosstrain.plugins.tune.record import describe
     from crosstrain.plugins.tune.space import read_space
@@ -153,8 +164,8 @@ def open_study(space: Path, url: str) -> tuple:
                                                  describe(settings, params, load_config()))
 
 
-def test_a_dead_tuners_trial_elsewhere_restarts_here_once_its_heartbeat_is_stale(
-        postgres: Server, pgpass: None, tmp_path: Path) -> None:  # noqa: F811
+def test_a_dead_tuners_trial_elsewhere_restarts_here_once_its_heartbeat_is_stale(server_url: str,
+                                                                                 tmp_path: Path) -> None:
     """A tuner on another machine asks for trial 0, names its run dir there and dies (SIGKILL); the run dir is not
     on this machine. While its heartbeat is recent the trial is left to it (WAIT); once stale it starts here, with
     its parameters, from step 0. A trial asked by a process that died before naming any run dir starts at once."""
@@ -162,9 +173,10 @@ def test_a_dead_tuners_trial_elsewhere_restarts_here_once_its_heartbeat_is_stale
 
     from crosstrain.plugins.tune.study import WAIT, Taken, take_next
 
-    space, url = tmp_path / "space.toml", _url(postgres)
+    space, url = tmp_path / "space.toml", server_url
     space.write_text(SPACE)
     elsewhere, here = tmp_path / "elsewhere", tmp_path / "here"
+    settings, params, storage, study = open_study(space, url)  # first: the WAIT below follows the death at once
     dead = subprocess.run([sys.executable, "-c", f"""
 import os, signal, sys
 from pathlib import Path
@@ -177,7 +189,6 @@ os.kill(os.getpid(), signal.SIGKILL)
 """], capture_output=True, text=True, timeout=300)
     assert dead.returncode == -signal.SIGKILL, dead.stderr
     shutil.rmtree(elsewhere)  # that machine's disk: not here
-    settings, params, storage, study = open_study(space, url)
     asked = study.get_trials()[0]
     assert Path(asked.user_attrs["run_dir"]).parent.parent == elsewhere.resolve()
     assert take_next(study, storage, here, 1, None, settings, params, local=False) == WAIT

@@ -20,10 +20,13 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-#: dialects with a lock of the server session
+from crosstrain.errors import CrosstrainError
+
+#: dialects with a lock of the server session: (take it, waiting; give it back). MariaDB refuses GET_LOCK's negative
+#: "wait forever" (NULL, MDEV-4017), so the wait is a year
 LOCKS = {
     "postgresql": ("SELECT pg_advisory_lock(:key)", "SELECT pg_advisory_unlock(:key)"),
-    "mysql": ("SELECT GET_LOCK(:name, -1)", "SELECT RELEASE_LOCK(:name)"),
+    "mysql": ("SELECT GET_LOCK(:name, 31536000)", "SELECT RELEASE_LOCK(:name)"),
 }
 
 
@@ -59,7 +62,10 @@ def server_lock(engine: Any, name: str) -> Iterator[None]:
     # pg_advisory_lock takes a signed 64-bit key; MySQL lock names are at most 64 characters
     args = {"key": int.from_bytes(digest[:8], "big", signed=True), "name": "crosstrain-tune-" + digest.hex()[:40]}
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(lock), args)
+        got = conn.execute(text(lock), args).scalar()
+        if got == 0 or (got is None and engine.dialect.name == "mysql"):  # pg_advisory_lock returns nothing
+            raise CrosstrainError(f"the database server did not give crosstrain tune its lock {name!r} "
+                                  f"({lock.split()[1]} returned {got}); check the server's log")
         try:
             yield
         finally:

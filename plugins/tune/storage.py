@@ -16,7 +16,7 @@ from crosstrain.errors import ConfigError, first_line
 FORMS = "sqlite:///PATH, postgresql://..., mysql://... or journal:PATH"
 #: the fix for a missing driver, by database (SQLAlchemy's default drivers: psycopg 3 and mysqlclient)
 DRIVERS = {"postgresql": 'run: pip install "crosstrain[tune-postgres]" (psycopg) and write postgresql://...',
-           "mysql": "run: pip install pymysql and write mysql+pymysql://..."}
+           "mysql": 'run: pip install "crosstrain[tune-mysql]" (pymysql) and write mysql+pymysql://...'}
 
 
 def naming(url: str, given: bool) -> str:

@@ -63,6 +63,7 @@ def open_storage(url: str, given: bool = True, heartbeat: int | None = None) -> 
         beats = {"heartbeat_interval": heartbeat} if heartbeat else {}
         # an unreachable host is refused in seconds, not after the TCP timeout (psycopg's and pymysql's argument)
         kwargs = {"connect_args": {"connect_timeout": SERVER_TIMEOUT_S}}
+        lock = _tables_lock(url, kwargs)
     elif url.startswith("sqlite"):
         kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
         path = url.split(":///", 1)[-1]
@@ -72,11 +73,10 @@ def open_storage(url: str, given: bool = True, heartbeat: int | None = None) -> 
             lock_file = Path(path).with_name(Path(path).name + ".lock")
             new_lock = None if lock_file.exists() else lock_file  # removed again if the database cannot be opened
             lock = _file_lock(lock_file)
-    if is_server(url):
-        lock = _tables_lock(url, kwargs)
     try:
         with lock, warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeat_interval is
+            # Optuna marks heartbeat_interval experimental
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **beats)
     except Exception as exc:  # a URL SQLAlchemy cannot open: a bad host, a password, not a database
         if new_lock is not None:
