@@ -33,9 +33,10 @@ def shown_url(url: str) -> str:
     import sqlalchemy
 
     try:
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+        parsed = sqlalchemy.engine.make_url(url)
     except Exception:  # not a URL at all: it has no password to hide
         return url
+    return url if parsed.password is None else parsed.render_as_string(hide_password=True)
 
 
 def check_url(url: str, given: bool) -> None:
