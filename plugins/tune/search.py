@@ -258,6 +258,7 @@ def result(study: Any, storage_url: str) -> dict[str, Any]:
     from optuna.trial import TrialState
 
     from crosstrain.plugins.tune.retry import CAUSE
+    from crosstrain.plugins.tune.storage import shown_url
 
     trials = study.get_trials(deepcopy=False)
     retried = sum(CAUSE in t.user_attrs for t in trials)
@@ -265,8 +266,6 @@ def result(study: Any, storage_url: str) -> dict[str, Any]:
     best = None
     if count[TrialState.COMPLETE]:
         best = study.best_trial
-    from crosstrain.plugins.tune.storage import shown_url
-
     return {
         "study": study.study_name,
         "storage": shown_url(storage_url),  # a password in the URL is not printed

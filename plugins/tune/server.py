@@ -40,10 +40,10 @@ def is_server(url: str) -> bool:
 
 
 def beats(storage: Any) -> bool:
-    """Whether ``storage`` records heartbeats (a server storage opened by a tuner)."""
-    from optuna.storages._heartbeat import is_heartbeat_enabled
-
-    return is_heartbeat_enabled(storage)
+    """Whether ``storage`` records heartbeats (a server storage opened by a tuner): Optuna's heartbeat interface
+    with an interval."""
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    return interval is not None and interval() is not None
 
 
 def on_server(storage: Any) -> bool:
