@@ -43,6 +43,9 @@ class SearchSettings(BaseModel):
     retries: int = Field(default=2, ge=0, description="a trial that failed because of its machine (no disk space, "
                          "killed by a signal, a lost rank) is run again with its parameters up to this many times "
                          "per tuner run, and does not count among --trials; 0: such a trial is an ordinary failure")
+    heartbeat: int = Field(default=30, ge=1, description="on a PostgreSQL or MySQL storage: seconds between a "
+                           "running trial's heartbeats; a trial silent for twice as long is taken over by another "
+                           "tuner")
     strategy: Literal["optuna", "pbt"] = "optuna"
     population: int = Field(default=4, ge=2, description="pbt: members trained together")
     rounds: int = Field(default=3, ge=1, description="pbt: rounds; train.steps is split evenly between them")

@@ -127,7 +127,7 @@ def run(search: Search, log: Any = sys.stderr) -> dict[str, Any]:
     if not search.storage_given:
         search.out.mkdir(parents=True, exist_ok=True)  # the study database is in it
     # a storage outside --out is opened and its study checked before --out exists
-    storage = open_storage(search.storage_url, search.storage_given)
+    storage = open_storage(search.storage_url, search.storage_given, heartbeat=search.settings.heartbeat)
     cfg = search.base
     study = load_study(search.study_name, storage, search.settings, search.params, cfg.train.steps,
                        cfg.eval.every or cfg.train.steps, search.record)
@@ -157,31 +157,37 @@ def run(search: Search, log: Any = sys.stderr) -> dict[str, Any]:
 
 
 def _worker(search: Search, study: Any, storage: Any, log: Any) -> None:
-    from crosstrain.plugins.tune.study import take_next
+    from crosstrain.plugins.tune.study import WAIT, take_next
 
+    told_waiting = False
     try:
         while not search.stopping.is_set() and not search.errors:
-            got = take_next(study, search.out, search.trials, search.enqueue, search.settings, search.params,
-                            local=not search.storage_given)
+            got = take_next(study, storage, search.out, search.trials, search.enqueue, search.settings,
+                            search.params, local=not search.storage_given)
             if got is None:
                 return
-            trial, params, claim, resumed = got
+            if got == WAIT:
+                if not told_waiting:
+                    print(f"crosstrain tune: all {search.trials} trials taken; waiting for the running ones (a "
+                          "trial whose tuner stops sending heartbeats is taken over)", file=log, flush=True)
+                    told_waiting = True
+                search.stopping.wait(search.settings.heartbeat)
+                continue
             try:
-                _run_trial(search, study, storage, trial, params, resumed, log)
+                _run_trial(search, study, storage, got.trial, got.params, got.how, log)
             finally:
-                claim.release()
+                got.release()
     except BaseException as exc:  # the first error ends the search once the other workers finish their trial
         search.errors.append(exc)
 
 
-def _run_trial(search: Search, study: Any, storage: Any, trial: Any, params: dict[str, Any], resumed: bool,
+def _run_trial(search: Search, study: Any, storage: Any, trial: Any, params: dict[str, Any], how: str,
                log: Any) -> None:
     from optuna.trial import TrialState
 
     run_dir = Path(trial.user_attrs["run_dir"])
     pruned_at = storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT)
-    what = "resuming" if resumed else "starting"
-    print(f"crosstrain tune: {what} trial {trial.number} {params} in {run_dir}", file=log, flush=True)
+    print(f"crosstrain tune: {how} trial {trial.number} {params} in {run_dir}", file=log, flush=True)
     if pruned_at is None:
         try:
             code: int | None = search.command.run(run_dir, params, trial._trial_id, running=search.running)
@@ -194,7 +200,7 @@ def _run_trial(search: Search, study: Any, storage: Any, trial: Any, params: dic
     else:
         code, line = 0, ""  # pruned before its tuner died: its checkpoint is kept, nothing to train
     if code != 0:
-        _failed(search, study, trial, code, line, log)
+        _failed(search, study, storage, trial, code, line, log)
         return
     summary = read_summary(run_dir)
     if pruned_at is not None and summary.get("preempted") is not False:
@@ -212,7 +218,7 @@ def _run_trial(search: Search, study: Any, storage: Any, trial: Any, params: dic
     print(f"crosstrain tune: trial {trial.number} {search.settings.metric} {value:.4f}", file=log, flush=True)
 
 
-def _failed(search: Search, study: Any, trial: Any, code: int | None, line: str, log: Any) -> None:
+def _failed(search: Search, study: Any, storage: Any, trial: Any, code: int | None, line: str, log: Any) -> None:
     """Record a trial that exited non-zero: FAIL, and when its machine was the cause (and ``retries`` > 0) queued
     again with its parameters; past ``retries`` such failures of one point in this run the search stops."""
     from optuna.trial import TrialState
@@ -232,7 +238,7 @@ def _failed(search: Search, study: Any, trial: Any, code: int | None, line: str,
         return
     first = trial.user_attrs.get(RETRY_OF, trial.number)
     search.attempts[first] = search.attempts.get(first, 0) + 1
-    with study_lock(search.out, search.study_name):  # told and queued before another worker counts the trials
+    with study_lock(search.out, search.study_name, storage):  # told and queued before a worker counts them
         trial.set_user_attr(CAUSE, cause)
         frozen = study.tell(trial, state=TrialState.FAIL)
         enqueue_retry(study, frozen)
@@ -252,6 +258,7 @@ def result(study: Any, storage_url: str) -> dict[str, Any]:
     from optuna.trial import TrialState
 
     from crosstrain.plugins.tune.retry import CAUSE
+    from crosstrain.plugins.tune.storage import shown_url
 
     trials = study.get_trials(deepcopy=False)
     retried = sum(CAUSE in t.user_attrs for t in trials)
@@ -261,7 +268,7 @@ def result(study: Any, storage_url: str) -> dict[str, Any]:
         best = study.best_trial
     return {
         "study": study.study_name,
-        "storage": storage_url,
+        "storage": shown_url(storage_url),  # a password in the URL is not printed
         "best_value": best.value if best else None,
         "best_params": best.params if best else None,
         "best_run_dir": best.user_attrs.get("run_dir") if best else None,

@@ -14,11 +14,29 @@ from pathlib import Path
 from crosstrain.errors import ConfigError, first_line
 
 FORMS = "sqlite:///PATH, postgresql://..., mysql://... or journal:PATH"
+#: the fix for a missing driver, by database (SQLAlchemy's default drivers: psycopg 3 and mysqlclient)
+DRIVERS = {"postgresql": 'run: pip install "crosstrain[tune-postgres]" (psycopg) and write postgresql://...',
+           "mysql": 'run: pip install "crosstrain[tune-mysql]" (pymysql) and write mysql+pymysql://...'}
 
 
 def naming(url: str, given: bool) -> str:
-    """How a message names the storage: the flag the user passed, or the study database ``--out`` holds."""
-    return f"--storage {url!r}" if given else f"the study database {url!r}"
+    """How a message names the storage: the flag the user passed, or the study database ``--out`` holds (a
+    password in the URL as ``***``)."""
+    shown = shown_url(url)
+    return f"--storage {shown!r}" if given else f"the study database {shown!r}"
+
+
+def shown_url(url: str) -> str:
+    """``url`` with its password, if any, as ``***`` (for messages and the result line)."""
+    if url.startswith("journal:"):
+        return url
+    import sqlalchemy
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except Exception:  # not a URL at all: it has no password to hide
+        return url
+    return url if parsed.password is None else parsed.render_as_string(hide_password=True)
 
 
 def check_url(url: str, given: bool) -> None:
@@ -36,7 +54,7 @@ def check_url(url: str, given: bool) -> None:
         raise ConfigError(f"{naming(url, given)} is not a storage URL ({message(exc)}); pass {FORMS}") from None
     except ImportError as exc:  # the dialect is known but its driver is not installed
         raise ConfigError(f"{naming(url, given)} needs a database driver that is not installed ({message(exc)}); "
-                          "install it (e.g. pip install psycopg2-binary or pymysql)") from None
+                          f"{DRIVERS.get(parsed.get_backend_name(), 'install the driver its URL names')}") from None
     if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
         _check_file(Path(parsed.database), url, given)
 

@@ -13,13 +13,16 @@ import contextlib
 import fcntl
 import os
 import socket
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from crosstrain.errors import ConfigError
 from crosstrain.plugins.tune.config import SearchSettings
+from crosstrain.plugins.tune.server import Heartbeat
 from crosstrain.plugins.tune.space import Param
 
 CLAIM = "tune.claim"
@@ -27,17 +30,21 @@ CLAIM = "tune.claim"
 TUNER = "tuner"
 #: SQLite waits this long for a lock held by another worker (the tuner, a trial's rank 0, another tuner)
 SQLITE_TIMEOUT_S = 120
+#: a database server that does not answer a connection within this long is refused
+SERVER_TIMEOUT_S = 10
 
 
 def default_storage(out: Path) -> str:
     return f"sqlite:///{(out / 'tune.db').resolve()}"
 
 
-def open_storage(url: str, given: bool = True) -> Any:
+def open_storage(url: str, given: bool = True, heartbeat: int | None = None) -> Any:
     """An Optuna storage: an RDB URL (``sqlite:///``, ``postgresql://``, ``mysql://``) or ``journal:PATH``
-    (Optuna's JournalStorage on a file). ``given``: the URL came from ``--storage`` (errors name the flag)."""
+    (Optuna's JournalStorage on a file). ``given``: the URL came from ``--storage`` (errors name the flag);
+    ``heartbeat``: on a database server, the seconds between a running trial's heartbeats (a tuner's storage)."""
     import optuna
 
+    from crosstrain.plugins.tune.server import is_server
     from crosstrain.plugins.tune.storage import check_url, storage_error
 
     check_url(url, given)
@@ -49,9 +56,15 @@ def open_storage(url: str, given: bool = True) -> Any:
         except OSError as exc:
             raise storage_error(exc, url, given) from None
     kwargs: dict[str, Any] = {}
+    beats: dict[str, Any] = {}
     lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     new_lock: Path | None = None
-    if url.startswith("sqlite"):
+    if is_server(url):
+        beats = {"heartbeat_interval": heartbeat} if heartbeat else {}
+        # an unreachable host is refused in seconds, not after the TCP timeout (psycopg's and pymysql's argument)
+        kwargs = {"connect_args": {"connect_timeout": SERVER_TIMEOUT_S}}
+        lock = _tables_lock(url, kwargs)
+    elif url.startswith("sqlite"):
         kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
         path = url.split(":///", 1)[-1]
         if path and path != ":memory:":
@@ -61,12 +74,30 @@ def open_storage(url: str, given: bool = True) -> Any:
             new_lock = None if lock_file.exists() else lock_file  # removed again if the database cannot be opened
             lock = _file_lock(lock_file)
     try:
-        with lock:
-            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        with lock, warnings.catch_warnings():
+            # Optuna marks heartbeat_interval experimental
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **beats)
     except Exception as exc:  # a URL SQLAlchemy cannot open: a bad host, a password, not a database
         if new_lock is not None:
             new_lock.unlink(missing_ok=True)
         raise storage_error(exc, url, given) from None
+
+
+@contextmanager
+def _tables_lock(url: str, engine_kwargs: dict[str, Any]) -> Iterator[None]:
+    """Held while a tuner opens a server storage: two tuners creating Optuna's tables at once on a new database
+    collide in the server's catalog (PostgreSQL: duplicate key in ``pg_type``)."""
+    import sqlalchemy
+
+    from crosstrain.plugins.tune.server import server_lock
+
+    engine = sqlalchemy.create_engine(url, **engine_kwargs)
+    try:
+        with server_lock(engine, "tables"):
+            yield
+    finally:
+        engine.dispose()
 
 
 def make_sampler(settings: SearchSettings, params: list[Param], offset: int = 0) -> Any:
@@ -113,22 +144,27 @@ def load_study(name: str, storage: Any, settings: SearchSettings, params: list[P
     import optuna
 
     from crosstrain.plugins.tune.record import check
+    from crosstrain.plugins.tune.server import study_server_lock
 
-    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
-                                direction=settings.direction, sampler=make_sampler(settings, params),
-                                pruner=make_pruner(settings, steps, eval_every))
-    if study.direction.name.lower() != settings.direction:
-        raise ConfigError(f"study {name!r} in this storage was created with direction "
-                          f"{study.direction.name.lower()}; pass another --study or the same direction")
-    check(study, record)
+    with study_server_lock(storage, name):  # tuners on several machines creating it at once record it once
+        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
+                                    direction=settings.direction, sampler=make_sampler(settings, params),
+                                    pruner=make_pruner(settings, steps, eval_every))
+        if study.direction.name.lower() != settings.direction:
+            raise ConfigError(f"study {name!r} in this storage was created with direction "
+                              f"{study.direction.name.lower()}; pass another --study or the same direction")
+        check(study, record)
     return study
 
 
 @contextmanager
-def study_lock(out: Path, name: str) -> Iterator[None]:
-    """Held while a worker counts the trials and asks or claims one (all tuners sharing ``--out``)."""
+def study_lock(out: Path, name: str, storage: Any = None) -> Iterator[None]:
+    """Held while a worker counts the trials and asks or claims one: by all tuners sharing ``--out`` and, with a
+    ``storage`` on a database server, by all tuners of the study (crosstrain.plugins.tune.server)."""
+    from crosstrain.plugins.tune.server import study_server_lock
+
     out.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out / f".{name}.lock"):
+    with _file_lock(out / f".{name}.lock"), study_server_lock(storage, name):
         yield
 
 
@@ -176,54 +212,103 @@ def trial_dir(out: Path, name: str, number: int) -> Path:
     return out / name / f"trial_{number:04d}"
 
 
-def take_next(study: Any, out: Path, limit: int, enqueue: dict[str, Any] | None, settings: SearchSettings,
-              params: list[Param], local: bool) -> tuple[Any, dict[str, Any], Claim, bool] | None:
-    """Under the study lock: a RUNNING trial left by a dead tuner (``resumed`` True, its stored parameters), or a
-    new one (a WAITING retry first, else drawn by a sampler seeded for its number) while fewer than ``limit`` of
-    the study's slots are taken (:func:`crosstrain.plugins.tune.retry.slots_taken`); None when nothing is left.
-    ``local``: the storage is ``out``'s own database, so every trial in it was asked by a tuner on this ``out``."""
+#: :func:`take_next`'s answer on a server when no trial can start but some still run: ask again in a while (a dead
+#: tuner's trial is taken over once its heartbeat is stale, so the study never ends with a trial RUNNING)
+WAIT = "wait"
+
+
+@dataclass
+class Taken:
+    """A trial a worker runs: its parameters, the claim on its run dir and, on a server, its heartbeat. ``how``:
+    ``starting``, ``resuming`` (from its run dir's last checkpoint) or ``restarting`` (its run dir is on another
+    machine: run again here from step 0)."""
+
+    trial: Any
+    params: dict[str, Any]
+    claim: Claim
+    how: str
+    heartbeat: Heartbeat | None = None
+
+    def release(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.claim.release()
+
+
+def take_next(study: Any, storage: Any, out: Path, limit: int, enqueue: dict[str, Any] | None,
+              settings: SearchSettings, params: list[Param], local: bool) -> Taken | str | None:
+    """Under the study lock: a RUNNING trial left by a dead tuner (its stored parameters), or a new one (a WAITING
+    retry first, else drawn by a sampler seeded for its number) while fewer than ``limit`` of the study's slots are
+    taken (:func:`crosstrain.plugins.tune.retry.slots_taken`); else :data:`WAIT` on a server while a trial still
+    runs, None when nothing is left. ``local``: the storage is ``out``'s own database, so every trial in it was
+    asked by a tuner on this ``out``.
+
+    A RUNNING trial's tuner is dead when the ``flock`` on its run dir's claim is free; on a server, when its
+    heartbeat is also stale (a live tuner whose claim this machine cannot see keeps its trial), or stale alone when
+    its run dir is not on this machine (then it runs again here, from its start)."""
+    from crosstrain.plugins.tune.server import beats
+
+    server = beats(storage)
+    with study_lock(out, study.study_name, storage):
+        taken = _take(study, storage, out, limit, enqueue, settings, params, local, server)
+        if isinstance(taken, Taken) and server:  # beating before the lock is released: never stale in between
+            taken.heartbeat = Heartbeat(storage, taken.trial._trial_id)
+        return taken
+
+
+def _take(study: Any, storage: Any, out: Path, limit: int, enqueue: dict[str, Any] | None,
+          settings: SearchSettings, params: list[Param], local: bool, server: bool) -> Taken | str | None:
     import optuna
     from optuna.trial import TrialState
 
     from crosstrain.plugins.tune.retry import slots_taken
+    from crosstrain.plugins.tune.server import stale_trials
 
     here = f"{socket.gethostname()}:{out.resolve()}"
-    with study_lock(out, study.study_name):
-        trials = study.get_trials(deepcopy=False)
-        for t in trials:
-            if t.state != TrialState.RUNNING:
-                continue
-            run_dir = t.user_attrs.get("run_dir")
-            if not run_dir and (local or t.user_attrs.get(TUNER) == here):
-                # asked by a tuner on this out that died before it named the run dir (no live one can be between
-                # the two: both happen under this lock): start it now, with whatever parameters it already has
-                study.sampler = make_sampler(settings, params, offset=t.number)
-                return _start(study, optuna.trial.Trial(study, t._trial_id), out, params)
-            if not run_dir or not Path(run_dir).is_dir():
-                continue  # another machine's trial (its run dir is not here) is left to that machine
-            claim = Claim(Path(run_dir))
-            if not claim.try_acquire():
-                continue  # its tuner is alive
-            # its tuner may have told the trial and released the claim since the read above: read it again
-            if _state(study, t.number) == TrialState.RUNNING:
-                return optuna.trial.Trial(study, t._trial_id), dict(t.params), claim, True
-            claim.release()
-        waiting = any(t.state == TrialState.WAITING for t in trials)
-        if slots_taken(trials) >= limit and not waiting:  # a WAITING trial (a retry) already has its slot
-            return None
-        if enqueue is not None and not trials:
-            study.enqueue_trial(enqueue, user_attrs={"base_config": True, TUNER: here})
-        elif not waiting and not local and settings.sampler != "grid":
-            # tag the trial before it is RUNNING, so that a tuner on this out finds it if this one dies before
-            # naming its run dir (the grid sampler draws nothing for an enqueued trial: not tagged, not found)
-            study.enqueue_trial({}, user_attrs={TUNER: here})
-        study.sampler = make_sampler(settings, params, offset=len(trials))
-        return _start(study, study.ask(), out, params)
+    trials = study.get_trials(deepcopy=False)
+    stale = stale_trials(storage, study.study_name) if server else set()
+    for t in trials:
+        if t.state != TrialState.RUNNING:
+            continue
+        run_dir = t.user_attrs.get("run_dir")
+        if not run_dir and (local or server or t.user_attrs.get(TUNER) == here):
+            # asked by a tuner that died before it named the run dir (no live one can be between the two: both
+            # happen under the lock held here, this out's or the server's): start it now, with whatever parameters
+            # it already has
+            study.sampler = make_sampler(settings, params, offset=t.number)
+            return _start(study, optuna.trial.Trial(study, t._trial_id), out, params)
+        if server and t._trial_id not in stale:
+            continue  # its tuner's heartbeats are recent: alive
+        if not run_dir or not Path(run_dir).is_dir():
+            if server:  # a dead tuner's trial whose run dir (its checkpoints) is on another machine
+                return _start(study, optuna.trial.Trial(study, t._trial_id), out, params, how="restarting")
+            continue  # another machine's trial (its run dir is not here) is left to that machine
+        claim = Claim(Path(run_dir))
+        if not claim.try_acquire():
+            continue  # its tuner is alive
+        # its tuner may have told the trial and released the claim since the read above: read it again
+        if _state(study, t.number) == TrialState.RUNNING:
+            return Taken(optuna.trial.Trial(study, t._trial_id), dict(t.params), claim, "resuming")
+        claim.release()
+    waiting = any(t.state == TrialState.WAITING for t in trials)
+    if slots_taken(trials) >= limit and not waiting:  # a WAITING trial (a retry) already has its slot
+        return WAIT if server and any(t.state == TrialState.RUNNING for t in trials) else None
+    if enqueue is not None and not trials:
+        study.enqueue_trial(enqueue, user_attrs={"base_config": True, TUNER: here})
+    elif not waiting and not local and not server and settings.sampler != "grid":
+        # tag the trial before it is RUNNING, so that a tuner on this out finds it if this one dies before
+        # naming its run dir (the grid sampler draws nothing for an enqueued trial: not tagged, not found)
+        study.enqueue_trial({}, user_attrs={TUNER: here})
+    study.sampler = make_sampler(settings, params, offset=len(trials))
+    with warnings.catch_warnings():  # Optuna warns that a heartbeat storage is meant for optimize(): ask is ours
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        trial = study.ask()
+    return _start(study, trial, out, params)
 
 
-def _start(study: Any, trial: Any, out: Path, params: list[Param]) -> tuple[Any, dict[str, Any], Claim, bool]:
-    """Draw ``trial``'s parameters (an enqueued or already drawn one keeps its value), claim its run dir and name
-    it in the trial."""
+def _start(study: Any, trial: Any, out: Path, params: list[Param], how: str = "starting") -> Taken:
+    """Draw ``trial``'s parameters (an enqueued or already drawn one keeps its value), claim its run dir here and
+    name it in the trial."""
     from optuna.trial import TrialState
 
     chosen = {p.key: p.suggest(trial) for p in params}
@@ -233,7 +318,7 @@ def _start(study: Any, trial: Any, out: Path, params: list[Param]) -> tuple[Any,
         study.tell(trial, state=TrialState.FAIL)
         raise ConfigError(f"{run_dir} is held by another process; pass another --out or --study")
     trial.set_user_attr("run_dir", str(run_dir.resolve()))
-    return trial, chosen, claim, False
+    return Taken(trial, chosen, claim, how)
 
 
 def _state(study: Any, number: int) -> Any:
