@@ -218,6 +218,12 @@ class TorchModuleDevice(Device):
         except TypeError:  # torch.cpu.Event takes no arguments (and times nothing)
             return cls()
 
+    def device_for_local_rank(self, local_rank: int) -> torch.device:
+        # an out-of-tree device type (npu, a PrivateUse1 device) exists for torch.device() only once its module
+        # is imported and registered
+        self._module()
+        return super().device_for_local_rank(local_rank)
+
     def _index(self) -> int:
         index = self.current_device().index
         return 0 if index is None else index
