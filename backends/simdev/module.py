@@ -198,6 +198,6 @@ def default_stream(device: Any = None) -> torch.Stream:
     return current_stream(device)
 
 
-def stream(s: torch.Stream) -> Any:
-    """Context manager that makes ``s`` the current stream."""
-    return torch.StreamContext(s) if hasattr(torch, "StreamContext") else s
+def stream(s: torch.Stream) -> torch.Stream:
+    """Context manager that makes ``s`` the current stream (a ``torch.Stream`` is one)."""
+    return s

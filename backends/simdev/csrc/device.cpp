@@ -189,8 +189,11 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
 
 }  // namespace
 
+void register_cpu_kernel_choices();
+
 void register_runtime() {
   static bool done = [] {
+    register_cpu_kernel_choices();
     at::RegisterPrivateUse1HooksInterface(new Hooks());
     c10::SetAllocator(kType, allocator());
     return true;

@@ -186,9 +186,11 @@ at::Tensor host_view(const at::Tensor& t) {
   if (t.storage().nbytes() == 0) {
     return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kCPU));
   }
-  void* base = device_alias(t.storage().data());
-  return at::from_blob(static_cast<char*>(base) + t.storage_offset() * t.element_size(), t.sizes(), t.strides(),
-                       t.options().device(at::kCPU));
+  // a non-owning CPU storage over the whole block, so the view keeps the tensor's storage offset and strides
+  // (CPU kernels then take exactly the paths they take on the host) and its data pointer names the device storage
+  c10::Storage storage(c10::Storage::use_byte_size_t(), t.storage().nbytes(),
+                       c10::DataPtr(device_alias(t.storage().data()), c10::Device(c10::kCPU)), nullptr, false);
+  return at::empty({0}, t.options().device(at::kCPU)).set_(storage, t.storage_offset(), t.sizes(), t.strides());
 }
 
 MemoryStats memory_stats(c10::DeviceIndex index) {

@@ -5,6 +5,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/transformers/attention.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
@@ -119,6 +120,16 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   return {output, mask.to(at::kBool)};
 }
 
+// scaled_dot_product_attention picks its kernel per device type; simdev computes with the CPU's kernels, so it
+// takes the CPU's choice (flash attention for CPU where it applies), which the fallback then runs
+int64_t sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                   double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  std::optional<at::Tensor> host_mask;
+  if (mask.has_value() && mask->defined()) host_mask = mask->device().type() == kType ? host_view(*mask) : *mask;
+  return at::_fused_sdp_choice(host_view(q), host_view(k), host_view(v), host_mask, dropout_p, is_causal, scale,
+                               enable_gqa);
+}
+
 bool is_generator(const c10::Argument& arg) {
   auto t = arg.type();
   if (t->kind() == c10::TypeKind::OptionalType) t = t->castRaw<c10::OptionalType>()->getElementType();
@@ -142,6 +153,89 @@ c10::DeviceIndex op_device(const c10::FunctionSchema& schema, const torch::jit::
   return current_device();
 }
 
+bool on_device(const at::Tensor& t) { return t.defined() && t.device().type() == kType; }
+
+// One fallback call: simdev arguments become CPU views of the same bytes (no copies, the same strides), the CPU
+// kernel runs on them, and results that are not views of an argument are copied to a new simdev tensor.
+struct HostCall {
+  std::vector<std::pair<const void*, at::Tensor>> bases;  // readable base -> the simdev tensor it belongs to
+
+  at::Tensor in(const at::Tensor& t) {
+    if (!on_device(t)) return t;
+    at::Tensor h = host_view(t);
+    if (t.storage().nbytes() > 0) bases.emplace_back(h.storage().data(), t);
+    return h;
+  }
+
+  at::Tensor out(const at::Tensor& h, c10::DeviceIndex index) const {
+    if (!h.defined() || h.device().type() != c10::kCPU) return h;
+    for (const auto& [base, t] : bases) {
+      if (h.storage().data() != base) continue;
+      if (h.sizes() == t.sizes() && h.strides() == t.strides() && h.storage_offset() == t.storage_offset() &&
+          h.dtype() == t.dtype()) {
+        return t;  // an in-place or out= result: the argument itself
+      }
+      at::Tensor v = at::empty({0}, t.options().dtype(h.dtype()));
+      return v.set_(t.storage(), h.storage_offset(), h.sizes(), h.strides());
+    }
+    c10::DeviceGuard guard(c10::Device(kType, index));
+    at::Tensor d = h.is_non_overlapping_and_dense()
+                       ? at::empty_strided(h.sizes(), h.strides(), h.options().device(kType))
+                       : at::empty(h.sizes(), h.options().device(kType));
+    host_view(d).copy_(h);
+    return d;
+  }
+};
+
+// The CPU kernel on host views of the arguments. Returns false, with the stack untouched, where an argument
+// the op writes to is empty (an out= tensor the kernel would resize: a view's storage cannot grow), so the
+// caller takes the copying path instead.
+bool run_on_views(const c10::OperatorHandle& op, torch::jit::Stack* stack, c10::DeviceIndex index) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t first = stack->size() - n;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& alias = schema.arguments()[i].alias_info();
+    const auto& v = (*stack)[first + i];
+    if (alias && alias->isWrite() && v.isTensor() && v.toTensor().numel() == 0) return false;
+    if (alias && alias->isWrite() && v.isTensorList()) return false;
+  }
+  HostCall call;
+  torch::jit::Stack host(stack->begin() + first, stack->end());
+  for (auto& v : host) {
+    if (v.isTensor()) {
+      v = call.in(v.toTensor());
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> l;
+      for (const at::Tensor& t : v.toTensorList().vec()) l.push_back(call.in(t));
+      v = l;
+    } else if (v.isList() && v.toListRef().size() > 0 && v.type()->containedType(0)->kind() ==
+               c10::TypeKind::OptionalType) {
+      c10::List<std::optional<at::Tensor>> l;
+      for (const auto& e : v.toListRef()) {
+        l.push_back(e.isNone() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(call.in(e.toTensor())));
+      }
+      v = l;
+    } else if (v.isDevice() && v.toDevice().type() == kType) {
+      v = c10::Device(c10::kCPU);
+    }
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &host);
+  stack->erase(stack->begin() + first, stack->end());
+  for (auto& r : host) {
+    if (r.isTensor()) {
+      stack->push_back(call.out(r.toTensor(), index));
+    } else if (r.isTensorList()) {
+      c10::List<at::Tensor> l;
+      for (const at::Tensor& t : r.toTensorList().vec()) l.push_back(call.out(t, index));
+      stack->push_back(l);
+    } else {
+      stack->push_back(r);
+    }
+  }
+  return true;
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
@@ -156,11 +250,40 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       v = c10::IValue(cpu_generator_of(v.toGenerator()));
     }
   }
-  c10::DeviceGuard guard(c10::Device(kType, op_device(schema, *stack, first)));
-  at::native::cpu_fallback(op, stack);
+  const c10::DeviceIndex index = op_device(schema, *stack, first);
+  c10::DeviceGuard guard(c10::Device(kType, index));
+  if (!run_on_views(op, stack, index)) at::native::cpu_fallback(op, stack);
 }
 
 }  // namespace
+
+// Ops that have a CPU kernel and also a CompositeImplicitAutograd decomposition (silu_backward, ...) would run the
+// decomposition on a backend without its own kernel, so simdev would compute something other than the CPU does.
+// A real device registers its kernels for them; simdev registers the CPU-kernel fallback, where the op's
+// autograd formula does not come from that decomposition (an Autograd kernel exists).
+void register_cpu_kernel_choices() {
+  static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
+                                        __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNamesForDispatchKey(c10::DispatchKey::CPU)) {
+    auto op = dispatcher.findOp(name);
+    if (!op || name.name.rfind("aten::", 0) != 0) continue;
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::Autograd)) continue;
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    const std::string full = name.overload_name.empty() ? name.name.substr(6) : name.name.substr(6) + "." +
+                                                                                   name.overload_name;
+    lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
+}
+
+}  // namespace simdev
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &simdev::sdp_choice)
+}
+
+namespace simdev {
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", empty_memory_format);
