@@ -51,6 +51,9 @@ class Device(ABC):
     dist_backend: str = "gloo"
     #: environment variable that restricts the visible devices, if any.
     visible_devices_env: str | None = None
+    #: bind the process group to this process's device (``init_process_group(device_id=...)``), so device meshes
+    #: split the communicator (NCCL, HCCL); False where the collective backend cannot split (a gloo-staged one).
+    bind_process_group: bool = True
 
     @abstractmethod
     def availability(self) -> Availability:

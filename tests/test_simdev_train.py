@@ -55,3 +55,12 @@ def test_checkpoint_resumes_across_backends(straight, tmp_path, saved_on, resume
     assert resumed["steps_this_run"] == STEPS - 3
     assert resumed["params_sha256"] == straight[resumed_on][1]["params_sha256"]
     assert resumed["losses"][-1] == pytest.approx(straight[resumed_on][1]["losses"][-1], rel=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["parallel.dp_shard=2", "parallel.tp=2"])
+def test_two_process_layouts_on_simdev_equal_cpu(tmp_path, layout):
+    # FSDP2 and tensor parallel on two processes, collectives staged through gloo (simgloo)
+    runs = {b: _train(b, tmp_path / b, "--nproc", "2", "--set", layout, "--set", "train.steps=3",
+                      "--set", "checkpoint.every=0") for b in ("cpu", "simdev")}
+    assert runs["simdev"]["losses"] == pytest.approx(runs["cpu"]["losses"], rel=1e-6)
+    assert runs["simdev"]["params_sha256"] == runs["cpu"]["params_sha256"]

@@ -49,6 +49,8 @@ class SimdevDevice(TorchModuleDevice):
     type = "simdev"
     dist_backend = "cpu:gloo,simdev:simgloo"
     visible_devices_env = None
+    # gloo, which carries simgloo's bytes, cannot split a bound group's communicator for device meshes
+    bind_process_group = False
 
     def _module(self) -> Any:
         from crosstrain.backends.simdev import runtime
