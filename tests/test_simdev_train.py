@@ -21,12 +21,23 @@ COMMON = ["--set", "train.batch_size=4", "--set", "train.seq_len=32", "--set", "
           "--set", "optim.impl=torch", "--set", "checkpoint.every=3", "--set", f"train.steps={STEPS}"]
 
 
-def _train(backend: str, run_dir: Path, *extra: str) -> dict:
+#: a device capacity (SIMDEV_MEMORY_GB) the test model does not fit on one device (~3.7 MiB peak), but does with
+#: FSDP over two devices and activation checkpointing (~2.2 MiB per device)
+SMALL_DEVICE_GB = str(2.5 / 1024)
+
+
+def _launch(backend: str, run_dir: Path, *extra: str, memory_gb: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(CROSSTRAIN_BACKEND=backend, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if memory_gb:
+        env["SIMDEV_MEMORY_GB"] = memory_gb
     cmd = [sys.executable, "-m", "crosstrain", "train", *COMMON, "--run-dir", str(run_dir), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout}\n{out.stderr}"
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _train(backend: str, run_dir: Path, *extra: str, memory_gb: str | None = None) -> dict:
+    out = _launch(backend, run_dir, *extra, memory_gb=memory_gb)
+    assert out.returncode == 0, f"{out.args}\n{out.stdout}\n{out.stderr}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["backend"] == backend
     return summary
@@ -57,10 +68,29 @@ def test_checkpoint_resumes_across_backends(straight, tmp_path, saved_on, resume
     assert resumed["losses"][-1] == pytest.approx(straight[resumed_on][1]["losses"][-1], rel=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["parallel.dp_shard=2", "parallel.tp=2"])
+def test_a_run_that_does_not_fit_one_device_is_one_line_naming_the_fix(tmp_path):
+    out = _launch("simdev", tmp_path / "run", "--set", "train.steps=2", memory_gb=SMALL_DEVICE_GB)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("crosstrain: error: the run does not fit in device memory (simdev out of memory. ")
+    for fix in ("parallel.dp_shard=N", "parallel.activation_checkpoint=full", "optim.offload=true"):
+        assert fix in last
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("layout", [("parallel.dp_shard=2", "parallel.activation_checkpoint=full"),
+                                    ("parallel.tp=2",)])
 def test_two_process_layouts_on_simdev_equal_cpu(tmp_path, layout):
-    # FSDP2 and tensor parallel on two processes, collectives staged through gloo (simgloo)
-    runs = {b: _train(b, tmp_path / b, "--nproc", "2", "--set", layout, "--set", "train.steps=3",
-                      "--set", "checkpoint.every=0") for b in ("cpu", "simdev")}
+    # FSDP2 (with activation checkpointing: then the run fits the small device) and tensor parallel on two
+    # processes, collectives staged through gloo (simgloo)
+    sets = [arg for key in layout for arg in ("--set", key)]
+    memory = SMALL_DEVICE_GB if "parallel.dp_shard=2" in layout else None
+    runs = {b: _train(b, tmp_path / b, "--nproc", "2", *sets, "--set", "train.steps=3", "--set", "checkpoint.every=0",
+                      memory_gb=memory if b == "simdev" else None) for b in ("cpu", "simdev")}
     assert runs["simdev"]["losses"] == pytest.approx(runs["cpu"]["losses"], rel=1e-6)
     assert runs["simdev"]["params_sha256"] == runs["cpu"]["params_sha256"]
+    if memory:
+        capacity = runs["simdev"]["memory_capacity_bytes"]
+        assert capacity == int(float(memory) * 2**30)
+        assert len(runs["simdev"]["peak_memory_bytes_per_rank"]) == 2
+        assert all(0 < peak <= capacity for peak in runs["simdev"]["peak_memory_bytes_per_rank"])
