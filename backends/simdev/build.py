@@ -28,9 +28,24 @@ def cache_dir() -> str:
     return os.path.join(base, "crosstrain", "simdev", f"torch-{torch.__version__}")
 
 
+def find_ninja() -> str | None:
+    """ninja's path; the pip package's binary next to this Python counts (put on PATH, where torch looks)."""
+    import shutil
+    import sys
+
+    found = shutil.which("ninja")
+    here = os.path.dirname(sys.executable)
+    if found is None and os.path.isfile(os.path.join(here, "ninja")):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+        found = shutil.which("ninja")
+    return found
+
+
 def load(verbose: bool = False) -> ModuleType:
     """The compiled extension (built now when the cache has none for these sources)."""
     from torch.utils import cpp_extension
+
+    find_ninja()
 
     folder = cache_dir()
     os.makedirs(folder, exist_ok=True)

@@ -36,7 +36,9 @@ def build_problem() -> str | None:
 
     if runtime.loaded():
         return None
-    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    from crosstrain.backends.simdev.build import find_ninja
+
+    missing = [tool for tool, found in (("c++", shutil.which("c++")), ("ninja", find_ninja())) if found is None]
     if missing:
         return (f"simdev is compiled on first use and needs {' and '.join(missing)} on PATH "
                 "(apt-get install g++ ninja-build, or pip install ninja)")
