@@ -67,7 +67,7 @@ class Collective:
             return
         self.env.export()
         kwargs: dict[str, Any] = {"backend": self.device.dist_backend, "timeout": self.timeout}
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and self.device.bind_process_group:
             kwargs["device_id"] = self.device.device_for_local_rank(self.env.local_rank)
         store = elastic_store(self.timeout)  # fresh keys per elastic restart (torchrun reuses its store)
         if store is not None:

@@ -51,6 +51,9 @@ class Device(ABC):
     dist_backend: str = "gloo"
     #: environment variable that restricts the visible devices, if any.
     visible_devices_env: str | None = None
+    #: bind the process group to this process's device (``init_process_group(device_id=...)``), so device meshes
+    #: split the communicator (NCCL, HCCL); False where the collective backend cannot split (a gloo-staged one).
+    bind_process_group: bool = True
 
     @abstractmethod
     def availability(self) -> Availability:
@@ -217,6 +220,12 @@ class TorchModuleDevice(Device):
             return cls(enable_timing=enable_timing)
         except TypeError:  # torch.cpu.Event takes no arguments (and times nothing)
             return cls()
+
+    def device_for_local_rank(self, local_rank: int) -> torch.device:
+        # an out-of-tree device type (npu, a PrivateUse1 device) exists for torch.device() only once its module
+        # is imported and registered
+        self._module()
+        return super().device_for_local_rank(local_rank)
 
     def _index(self) -> int:
         index = self.current_device().index

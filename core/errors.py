@@ -47,3 +47,7 @@ class CollectiveError(CrosstrainError):
 
 class CrosstrainWarning(UserWarning):
     """Input that works but probably not as meant; the CLI prints it as one ``crosstrain: warning:`` line."""
+
+
+class DeviceOutOfMemoryError(CrosstrainError):
+    """The run does not fit in device memory (the message names the settings that make it fit)."""

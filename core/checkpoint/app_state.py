@@ -88,6 +88,7 @@ class RankLocal:
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"RankLocal needs an object with state_dict/load_state_dict, got {type(obj).__name__}")
         self.obj = obj
+        self.optional_entries: tuple[str, ...] = tuple(getattr(obj, "optional_entries", ()))
 
     def state_dict(self) -> dict[str, Any]:
         return self.obj.state_dict()
@@ -98,6 +99,10 @@ class RankLocal:
 
 class RNGState:
     """This process's RNG states: Python ``random``, torch CPU and (when not CPU) the accelerator's."""
+
+    #: entries a checkpoint may lack: one written on the host has no accelerator RNG, and resuming it on an
+    #: accelerator keeps that device's generator as seeded (the checkpoint loader skips these when absent)
+    optional_entries = ("device",)
 
     def __init__(self, device: Any = None) -> None:
         self.device = device  # a crosstrain.device.Device or None

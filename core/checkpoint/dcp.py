@@ -284,7 +284,8 @@ class DCPCheckpointer:
             prefix_tree = {local_key(rank): {key: current}} if is_local else {key: current}
             current_tensors, _ = flatten(prefix_tree)
             saved_paths = _tensor_paths(skeleton)
-            missing = sorted(set(current_tensors) - set(saved_paths))
+            optional = tuple(f".{key}.{name}" for name in getattr(obj, "optional_entries", ()))
+            missing = sorted(p for p in set(current_tensors) - set(saved_paths) if not p.endswith(optional))
             if missing:
                 raise CheckpointError(f"checkpoint {folder} lacks {len(missing)} tensors of {key!r} "
                                       f"(e.g. {missing[0]}); it was saved from a different model or optimizer")

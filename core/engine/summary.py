@@ -137,6 +137,9 @@ def build_summary(
         "mfu": mfu,
         "mfu_flops": run.mfu_flops,
         "peak_memory_bytes": int(run.device_api.memory_stats().peak),
+        # every rank's own device (what "it fits" is about; rank 0's alone hides an uneven layout)
+        "peak_memory_bytes_per_rank": run.collective.all_gather_object(int(run.device_api.memory_stats().peak)),
+        "memory_capacity_bytes": int(run.device_api.memory_stats().total),
         "median_step_time_s": times[len(times) // 2] if times else 0.0,
         "wall_s": time.perf_counter() - record.start,
         "params_sha256": params_sha256(final_state_dict),

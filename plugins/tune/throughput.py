@@ -24,16 +24,26 @@ SHORT = ("eval.every=0", "checkpoint.every=0", "checkpoint.every_minutes=0", "ch
          "logging.tensorboard=false")
 
 
+def _device_type(backend: str) -> str:
+    """The device type the run's backend trains on ("cpu" when none is available)."""
+    from crosstrain import registry
+    from crosstrain.errors import CrosstrainError
+
+    try:
+        return registry.select_backend(backend).backend.device().type
+    except CrosstrainError:
+        return "cpu"
+
+
 def knobs(base: Any, nproc: int | None) -> dict[str, list[Any]]:
     """The grid: every value of each knob this config and layout can take."""
-    import torch
-
     world = nproc or 1
     per_rank = base.train.batch_size // world if base.train.batch_size % world == 0 else 0
     accum = [g for g in (1, 2, 4, 8) if per_rank and per_rank % g == 0] or [base.train.grad_accum]
     grid: dict[str, list[Any]] = {"train.grad_accum": accum, "parallel.activation_checkpoint": ["none", "full"]}
     # compiling on the CPU costs more than it saves in a short search
-    if base.backend != "cpu" and torch.accelerator.is_available():
+    # (the run's backend decides, not whichever accelerator torch knows of in this process)
+    if _device_type(base.backend) != "cpu":
         grid["parallel.compile"] = [False, True]
     if world > 1:
         grid["parallel.layout"] = ["ddp", "fsdp"]

@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         resolve_recipe(config.train.recipe)
         run_dir = args.run_dir or str(new_run_dir(config.train.output_dir))
         return _launch(args, run_dir, argv)
+    import torch
+
     from crosstrain.engine import Trainer
     from crosstrain.errors import CrosstrainError
 
@@ -152,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
         summary = trainer.fit()
     except CrosstrainError:
         raise  # one line that names the fix already (a rejected resume must not suggest resuming)
+    except torch.OutOfMemoryError as exc:
+        from crosstrain.engine.oom import out_of_memory
+
+        raise out_of_memory(exc, config) from None
     except (Exception, KeyboardInterrupt):
         _crash_hint(trainer)
         raise
