@@ -214,8 +214,12 @@ def test_the_lm_eval_command_line_scores_the_same_through_serve(served: dict[str
     """The same run as ``lm-eval --model local-completions ... --tasks mc.yaml`` (the harness's own command)."""
     args = (f"model=tiny,base_url={served['url']}/completions,tokenizer={served['hf']},tokenizer_backend=huggingface,"
             f"tokenized_requests=True,max_length={served['context']},max_retries=1")
-    cli = Path(sys.executable).with_name("lm-eval")
-    proc = subprocess.run([str(cli), "--model", "local-completions", "--model_args", args, "--tasks",
+    # the `lm-eval` script's own entry point, after `import crosstrain`: PyPI's torchvision (in the dev extra for the
+    # vision plugin) is built against the CUDA torch and breaks `import transformers` on the CPU build unless
+    # crosstrain's import hook (crosstrain.torchvision_compat) runs first; a torchvision that matches torch needs none
+    cli = ["-c", "import sys, crosstrain; from lm_eval.__main__ import cli_evaluate; sys.argv[0] = 'lm-eval'; "
+                 "sys.exit(cli_evaluate())"]
+    proc = subprocess.run([sys.executable, *cli, "--model", "local-completions", "--model_args", args, "--tasks",
                            str(served["root"] / "mc.yaml"), "--batch_size", "16", "--output_path", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
