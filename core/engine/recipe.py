@@ -132,6 +132,12 @@ class Recipe:
         """
         return self.loss(models, batch)
 
+    def eval_metrics(self) -> dict[str, float]:
+        """After an evaluation's batches, on every rank: metrics of the whole held-out split that are not means of
+        per-batch values (detection mAP), reported as ``eval/<name>``. A recipe keeps what it needs in
+        :meth:`eval_loss`, gathers it over data-parallel ranks, and clears it here; the default has none."""
+        return {}
+
     def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` that the pipeline schedule feeds its first and last stage."""
         raise NotImplementedError
