@@ -60,6 +60,8 @@ def test_each_step_loss_equals_the_plain_torchvision_loop(shapes, tmp_path, mode
     final = rows[-1]
     assert 0.0 <= final["eval/map_50"] <= 1.0 and 0.0 <= final["eval/map"] <= final["eval/map_50"]
     assert {"loss/classification", "loss/bbox_regression"} <= set(rows[0])
+    summary = json.loads((run / "summary.json").read_text())["detect"]
+    assert summary["eval"] == {"map": final["eval/map"], "map_50": final["eval/map_50"]}  # the run report's figures
 
     config = load_config(None, ["train.recipe=detect", f"detect.shapes_dir={shapes}", *TINY, *sets])
     recipe = DetectRecipe()
@@ -202,3 +204,24 @@ def test_bad_inputs_are_one_line_and_write_nothing(shapes, tmp_path, capsys) -> 
     for layout in ("parallel.tp=2", "parallel.pp=2"):  # refused by the recipe before the launcher starts a rank
         config = load_config(None, ["train.recipe=detect", layout])
         raises_one_line(lambda config=config: DetectRecipe().validate(config), "parallel.tp=1 and parallel.pp=1")
+
+
+def test_killed_run_resumes_to_the_same_weights(shapes, tmp_path) -> None:
+    """SIGKILL after the step-2 checkpoint, then the same command: the sampler position, the step (augmentation and
+    size seeds) and the optimizer come back, so the weights equal the uninterrupted run's."""
+    import os
+    import sys
+
+    from run_kill import sigkill_after_checkpoint
+
+    sets = ["train.steps=5", "checkpoint.every=2", "eval.every=0", "checkpoint.final=true"]
+    ref = tmp_path / "ref"
+    assert crosstrain_main(_argv(ref, shapes, *sets)) == 0
+    run = tmp_path / "killed"
+    argv = _argv(run, shapes, *sets)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    sigkill_after_checkpoint([sys.executable, "-m", "crosstrain", *argv], run, 2, env, timeout_s=600)
+    assert crosstrain_main(argv) == 0
+    ours, theirs = (json.loads((d / "summary.json").read_text()) for d in (run, ref))
+    assert ours["steps"] == 5 and ours["steps_this_run"] < 5
+    assert ours["params_sha256"] == theirs["params_sha256"]

@@ -45,6 +45,7 @@ class DetectRecipe(Recipe):
         self.sources: dict[str, Any] = {}
         self._rows: list[dict[str, Any]] = []
         self._image_ids: list[int] = []
+        self.last_eval: dict[str, float] = {}
 
     def validate(self, config: Config) -> None:
         self.sec = sec = config.section("detect")
@@ -157,7 +158,8 @@ class DetectRecipe(Recipe):
             dist.all_gather_object(gathered, (rows, ids))
             rows = [r for part, _ in gathered for r in part]
             ids = [i for _, part in gathered for i in part]
-        return coco_map(self.val_samples.coco, rows, ids)
+        self.last_eval = coco_map(self.val_samples.coco, rows, ids)
+        return self.last_eval
 
     def batch_tokens(self, batch: DetectBatch) -> tuple[torch.Tensor, int]:
         """Images count as the "tokens" of tokens/s (so it reads images/s)."""
@@ -173,4 +175,4 @@ class DetectRecipe(Recipe):
         sec = self.sec
         return {"detect": {"model": sec.model, "fpn_channels": sec.fpn_channels, "num_classes": self.num_classes(),
                            "train_sizes": sec.train_sizes(), "eval_size": sec.eval_size, "augment": sec.augment,
-                           **self.sources}}
+                           **self.sources, "eval": self.last_eval}}

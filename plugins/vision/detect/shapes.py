@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 CATEGORIES = ("circle", "square", "triangle")
+#: bumped when :func:`render` changes, so a cached folder is never read as another generator's output
+GENERATOR = 1
 
 
 def _shape_mask(kind: int, cx: float, cy: float, r: float, size: int) -> np.ndarray:
@@ -82,12 +84,12 @@ def write_split(folder: Path, split: str, count: int, size: int, seed: int) -> N
 
 
 def ensure_shapes(root: Path, *, train: int, val: int, size: int, seed: int) -> Path:
-    """The shapes dataset's folder ``root/shapes-s{seed}-{size}px-{train}-{val}``, written on first use.
+    """The shapes dataset's folder ``root/shapes-g{GENERATOR}-s{seed}-{size}px-{train}-{val}``, written on first use.
 
     Written into a temporary folder and renamed into place, so concurrent first runs (the ranks of one job,
     two jobs) never read a half-written dataset: the first rename wins, the others drop their copy.
     """
-    folder = Path(root) / f"shapes-s{seed}-{size}px-{train}-{val}"
+    folder = Path(root) / f"shapes-g{GENERATOR}-s{seed}-{size}px-{train}-{val}"
     if folder.is_dir():
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
