@@ -6,8 +6,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MODELS = ("fcos_resnet18_fpn", "retinanet_resnet18_fpn")
-
 
 class DetectSection(BaseModel):
     """Model, data, augmentation and evaluation of ``--recipe detect``."""

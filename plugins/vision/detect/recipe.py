@@ -166,10 +166,11 @@ class DetectRecipe(Recipe):
         return torch.tensor(float(len(batch.images))), len(batch.images)
 
     def data_split(self) -> dict[str, Any]:
-        return {**self.sources, "train_images": len(self.train_samples or []), "val_images":
-                len(self.val_samples or []), "train_annotations": str(self.train_samples.annotations)
-                if self.train_samples is not None else "", "val_annotations": str(self.val_samples.annotations)
-                if self.val_samples is not None else ""}
+        out: dict[str, Any] = dict(self.sources)
+        for split, samples in (("train", self.train_samples), ("val", self.val_samples)):
+            if samples is not None:
+                out[split] = {"images": len(samples), "annotations": str(samples.annotations)}
+        return out
 
     def summary(self) -> dict[str, Any]:
         sec = self.sec
