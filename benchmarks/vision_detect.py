@@ -11,7 +11,7 @@ Last line JSON: each side's COCO ``map`` (AP@[.5:.95]) and ``map_50`` (AP@.5), w
 largest relative difference; ``map_50_diff`` / ``map_diff`` (crosstrain - reference) and the acceptance checks
 (``map_50 >= 0.8``, equal within 0.01).
 
-    python benchmarks/vision_detect.py [--steps 800] [--work DIR]
+    python benchmarks/vision_detect.py [--steps 600] [--work DIR]
     python benchmarks/vision_detect.py --quick      # 40 steps: the plumbing, not the mAP
 """
 
@@ -71,7 +71,7 @@ def reference_side(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="40 steps")
     p.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
