@@ -7,7 +7,9 @@ defined. Anything that imports torchvision fails with it, transformers' configs 
 transforms). :func:`install` (run when ``crosstrain`` is imported) adds an import hook that, the first time
 torchvision is imported, defines the two operator schemas its import registers (``nms``, ``qnms``) when the
 extension cannot provide them: the pure-Python parts (transforms.v2, models) then work, and the C++ operators stay
-unavailable, as torchvision reports when one is called. Where the extension loads, nothing is defined.
+unavailable, as torchvision reports when one is called, except ``nms``, which FCOS/RetinaNet need at run time
+(``--recipe detect``) and which gets the pure-torch kernel :func:`nms`. Where the extension loads, nothing is
+defined.
 """
 
 from __future__ import annotations
@@ -16,10 +18,38 @@ import importlib.abc
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_LIB: Any = None
+if TYPE_CHECKING:
+    import torch
+
+_LIB: Any = None  # the torch.library fragment must outlive define_missing_ops, or its ops are unregistered
 _CHECKED = False
+
+
+def nms(dets: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torch.Tensor:
+    """Greedy non-maximum suppression as torchvision's CPU kernel computes it: boxes (xyxy) by descending score;
+    a box is dropped when its IoU with a kept, higher-scoring box exceeds ``iou_threshold``. Returns the kept
+    indices (int64), highest score first."""
+    import numpy as np
+    import torch
+
+    if dets.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64, device=dets.device)
+    order = scores.detach().float().cpu().argsort(descending=True, stable=True)
+    b = dets.detach().float().cpu()[order]
+    area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    lt = torch.maximum(b[:, None, :2], b[None, :, :2])
+    rb = torch.minimum(b[:, None, 2:], b[None, :, 2:])
+    inter = (rb - lt).clamp(min=0).prod(dim=2)
+    over = (inter / (area[:, None] + area[None, :] - inter) > iou_threshold).numpy()
+    suppressed = np.zeros(len(b), dtype=bool)
+    keep = []
+    for i in range(len(b)):
+        if not suppressed[i]:
+            keep.append(i)
+            suppressed |= over[i]
+    return order[torch.tensor(keep, dtype=torch.int64)].to(dets.device)
 
 
 def define_missing_ops() -> None:
@@ -47,6 +77,12 @@ def define_missing_ops() -> None:
     _LIB = torch.library.Library("torchvision", "DEF")
     for name in ("nms", "qnms"):
         _LIB.define(f"{name}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _LIB.impl("nms", nms, "CompositeExplicitAutograd")
+
+
+def fallback_active() -> bool:
+    """Whether :func:`define_missing_ops` defined the ops (torchvision's compiled extension did not load)."""
+    return _LIB is not None
 
 
 class _Finder(importlib.abc.MetaPathFinder):

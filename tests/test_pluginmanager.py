@@ -208,7 +208,7 @@ def test_moe_and_rlhf_bring_their_own_report_panels() -> None:
               for name, found in pluginmanager.call_each("crosstrain_report_panels")}
     assert panels == {"moe": ["moe_max_load"], "rlhf": ["rlhf_kl", "rlhf_rewards"],
                       "compress": ["distill_kd", "distill_nll"], "evaluate": ["eval_tasks"],
-                      "vision": ["classify_accuracy", "classify_recall"]}
+                      "vision": ["classify_accuracy", "classify_recall", "detect_map"]}
 
 
 def test_the_observability_section_belongs_to_its_plugin(tmp_path) -> None:

@@ -62,8 +62,8 @@ def fit_eval_batch(num_samples: int, batch_size: int, explicit: bool, dp_size: i
 @torch.no_grad()
 def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: TrainedModel, dataset: RecipeDataset, *,
              batch_size: int, max_batches: int, dp_rank: int, dp_size: int, device: torch.device) -> dict[str, float]:
-    """``eval/loss``, ``eval/perplexity`` (token-NLL recipes), ``eval/<metric>`` and ``time_eval_s`` (the same on
-    every rank)."""
+    """``eval/loss``, ``eval/perplexity`` (token-NLL recipes), ``eval/<metric>`` (means over batches, then the
+    recipe's ``eval_metrics()`` over the whole split) and ``time_eval_s`` (the same on every rank)."""
     start = time.perf_counter()
     pm = primary.parallel
     modules = {name: m.module for name, m in models.items()}
@@ -95,7 +95,7 @@ def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: Traine
         return {}
     means = (sums / n).tolist()
     result = {f"eval/{name}": value for name, value in zip(names, means, strict=True)}
-    result.update(recipe.derive_eval_metrics(result))
+    result.update(recipe.eval_metrics(result))
     if recipe.loss_is_token_nll:
         loss = result["eval/loss"]
         result["eval/perplexity"] = math.exp(loss) if loss < 700 else float("inf")

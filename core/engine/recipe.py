@@ -137,10 +137,12 @@ class Recipe:
         """
         return self.loss(models, batch)
 
-    def derive_eval_metrics(self, results: Mapping[str, float]) -> dict[str, float]:
-        """Metrics computed from a whole evaluation's averaged ones (``{"eval/<name>": value}``), added to them:
-        ratios of averaged shares such as per-class precision and recall. Every rank calls it with the same
-        values, in the loop and in ``crosstrain eval``."""
+    def eval_metrics(self, means: Mapping[str, float]) -> dict[str, float]:
+        """After an evaluation's batches, on every rank, in the loop and in ``crosstrain eval``: further metrics
+        (``{"eval/<name>": value}``) added to ``means``, the averaged ``eval/<name>`` values of the whole held-out
+        split. Either derived from them (ratios of averaged shares: ``classify``'s per-class precision and recall) or
+        of the whole split and not a mean of per-batch values (``detect``'s COCO mAP: the recipe keeps what it needs
+        in :meth:`eval_loss`, gathers it over data-parallel ranks and clears it here). The default has none."""
         return {}
 
     def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from crosstrain.torchvision_compat import define_missing_ops
+from crosstrain.torchvision_compat import define_missing_ops, fallback_active
 
 
 def torchvision() -> ModuleType:
-    """The torchvision module."""
+    """The torchvision module (with ``torchvision.ops.nms`` usable where its compiled ops did not load)."""
     define_missing_ops()
     import torchvision as tv
+    import torchvision.ops.boxes
 
+    if fallback_active():  # torchvision checks for its extension before nms; the fallback kernel is registered
+        torchvision.ops.boxes._assert_has_ops = lambda: None  # type: ignore[attr-defined]
     return tv
 
 

@@ -157,8 +157,8 @@ class ClassifyRecipe(Recipe):
                                                       if not k.startswith("confusion/")}})
         return MicroBatchLoss(loss, metrics)
 
-    def derive_eval_metrics(self, results: Mapping[str, float]) -> dict[str, float]:
-        return {**class_report(results, "eval/"), **class_report(results, "eval/ema/")}
+    def eval_metrics(self, means: Mapping[str, float]) -> dict[str, float]:
+        return {**class_report(means, "eval/"), **class_report(means, "eval/ema/")}
 
     def after_optimizer_step(self, context: RunContext, step: int) -> None:
         if self.ema is not None:

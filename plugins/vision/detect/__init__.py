@@ -1,0 +1,1 @@
+"""``--recipe detect``: torchvision detection models trained on COCO-format data (docs/vision_detect.md)."""
