@@ -49,8 +49,9 @@ def reference_side(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from crosstrain.config import load_config
+    from crosstrain.plugins.vision.data.augment import build_transform
     from crosstrain.plugins.vision.detect import reference
-    from crosstrain.plugins.vision.detect.data import DetectDataset, build_augment
+    from crosstrain.plugins.vision.detect.data import DetectDataset
     from crosstrain.plugins.vision.detect.recipe import DetectRecipe
 
     torch.set_num_threads(1)
@@ -60,7 +61,7 @@ def reference_side(args: argparse.Namespace) -> dict[str, Any]:
     recipe._load(config)
     sec = config.section("detect")
     train = DetectDataset(recipe.train_samples, sizes=sec.train_sizes(), seed=config.train.seed,
-                          augment=build_augment(sec.augment))
+                          augment=build_transform(sec.augment))
     val = DetectDataset(recipe.val_samples, sizes=[sec.eval_size], seed=config.train.seed)
     cfg = reference.from_config(config, recipe.num_classes())
     start = time.perf_counter()

@@ -47,8 +47,9 @@ def shapes(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("model", ["fcos_resnet18_fpn", "retinanet_resnet18_fpn"])
 def test_each_step_loss_equals_the_plain_torchvision_loop(shapes, tmp_path, model) -> None:
     from crosstrain.config import load_config
+    from crosstrain.plugins.vision.data.augment import build_transform
     from crosstrain.plugins.vision.detect import reference
-    from crosstrain.plugins.vision.detect.data import DetectDataset, build_augment
+    from crosstrain.plugins.vision.detect.data import DetectDataset
     from crosstrain.plugins.vision.detect.recipe import DetectRecipe
 
     sets = [f"detect.model={model}", "train.steps=3", "eval.every=3"]
@@ -68,7 +69,7 @@ def test_each_step_loss_equals_the_plain_torchvision_loop(shapes, tmp_path, mode
     recipe.validate(config)
     recipe._load(config)
     sec = config.section("detect")
-    data = DetectDataset(recipe.train_samples, sizes=sec.train_sizes(), seed=0, augment=build_augment(sec.augment))
+    data = DetectDataset(recipe.train_samples, sizes=sec.train_sizes(), seed=0, augment=build_transform(sec.augment))
     cfg = reference.from_config(config, recipe.num_classes())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the crosstrain run above (one thread, like a launched worker)
@@ -147,13 +148,14 @@ def test_nms_equals_brute_force_greedy() -> None:
 
 
 def test_augmentation_is_seeded_per_step_and_sample(tmp_path) -> None:
-    from crosstrain.plugins.vision.detect.data import CocoSamples, DetectDataset, build_augment
+    from crosstrain.plugins.vision.data.augment import build_transform
+    from crosstrain.plugins.vision.detect.data import CocoSamples, DetectDataset
     from crosstrain.plugins.vision.detect.shapes import ensure_shapes
 
     root = ensure_shapes(tmp_path, train=8, val=1, size=40, seed=0)
     samples = CocoSamples(root / "train", root / "train.json")
     sizes = [32, 40, 48, 56]
-    ds = DetectDataset(samples, sizes=sizes, seed=0, augment=build_augment({"RandomHorizontalFlip": {}}))
+    ds = DetectDataset(samples, sizes=sizes, seed=0, augment=build_transform([{"name": "RandomHorizontalFlip"}]))
     plain = DetectDataset(samples, sizes=sizes, seed=0)
     flipped = set()
     for step in range(1, 13):
@@ -163,7 +165,7 @@ def test_augmentation_is_seeded_per_step_and_sample(tmp_path) -> None:
         torch.manual_seed(123)
         b = ds.batch([0, 1, 2, 3])
         assert torch.equal(torch.rand(1), expected)  # the global RNG is neither used nor consumed
-        again = DetectDataset(samples, sizes=sizes, seed=0, augment=build_augment({"RandomHorizontalFlip": {}}),
+        again = DetectDataset(samples, sizes=sizes, seed=0, augment=build_transform([{"name": "RandomHorizontalFlip"}]),
                               step=lambda step=step: step).batch([0, 1, 2, 3])
         assert all(torch.equal(x, y) for x, y in zip(b.images, again.images, strict=True))
         assert all(torch.equal(x, y) for x, y in zip(b.boxes, again.boxes, strict=True))
@@ -191,8 +193,9 @@ def _bad(tmp_path: Path, shapes: Path, capsys, *sets: str) -> str:
 
 def test_bad_inputs_are_one_line_and_write_nothing(shapes, tmp_path, capsys) -> None:
     assert "not a torchvision.transforms.v2 transform" in _bad(tmp_path, shapes, capsys,
-                                                               "detect.augment={RandomFlipp = {}}")
-    assert "fix its arguments" in _bad(tmp_path, shapes, capsys, "detect.augment={RandomHorizontalFlip = {q = 1}}")
+                                                               'detect.augment=[{name = "RandomFlipp"}]')
+    assert "fix the table's arguments" in _bad(tmp_path, shapes, capsys,
+                                                'detect.augment=[{name = "RandomHorizontalFlip", q = 1}]')
     assert "does not exist" in _bad(tmp_path, shapes, capsys, f"detect.train_annotations={tmp_path / 'no.json'}",
                                     f"detect.train_images={tmp_path}", f"detect.val_annotations={tmp_path / 'no.json'}",
                                     f"detect.val_images={tmp_path}")

@@ -36,9 +36,10 @@ def sample_seed(seed: int, epoch: int, index: int, stream: int = 0) -> int:
     return z >> 1
 
 
-def build_transform(specs: list[dict[str, Any]], image_size: int = 0) -> Any:
+def build_transform(specs: list[dict[str, Any]], image_size: int = 0, key: str = "vision.augment") -> Any:
     """``v2.Compose`` of the tables in ``specs`` (after a resize to ``image_size`` unless one of them crops to a size
-    itself); each a one-line ConfigError naming the table when its class or arguments are wrong."""
+    itself); each a one-line ConfigError naming the table (``key[i]``) when its class or arguments are wrong. The
+    same for ``classify`` (images) and ``detect`` (images with their boxes: v2 transforms are box-aware)."""
     from crosstrain.plugins.vision.tv import v2 as transforms
 
     v2 = transforms()
@@ -51,15 +52,15 @@ def build_transform(specs: list[dict[str, Any]], image_size: int = 0) -> Any:
         name = args.pop("name", None)
         cls = getattr(v2, str(name), None) if name else None
         if not isinstance(cls, type) or not issubclass(cls, v2.Transform):
-            raise ConfigError(f"vision.augment[{i}]: {name!r} is not a torchvision.transforms.v2 transform; give "
+            raise ConfigError(f"{key}[{i}]: {name!r} is not a torchvision.transforms.v2 transform; give "
                               'name = "RandomHorizontalFlip", "ColorJitter", "RandomResizedCrop", "RandAugment", ...')
         if name in ("MixUp", "CutMix"):
-            raise ConfigError(f"vision.augment[{i}]: {name} mixes two images; set vision.mixup_alpha / "
-                              "vision.cutmix_alpha instead")
+            raise ConfigError(f"{key}[{i}]: {name} mixes two images; set vision.mixup_alpha / vision.cutmix_alpha "
+                              "instead (classify)")
         try:
             steps.append(cls(**args))
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"vision.augment[{i}] ({name}): {exc}; fix the table's arguments") from None
+            raise ConfigError(f"{key}[{i}] ({name}): {exc}; fix the table's arguments") from None
     return v2.Compose(steps) if steps else v2.Identity()
 
 

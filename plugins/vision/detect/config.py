@@ -31,10 +31,10 @@ class DetectSection(BaseModel):
     max_size: int = Field(default=80, ge=16, description="multi-scale training: largest longer image side (pixels)")
     size_step: int = Field(default=8, ge=1, description="multi-scale training: sizes are min_size + k * size_step")
     eval_size: int = Field(default=64, ge=16, description="the longer image side at evaluation (pixels)")
-    augment: dict[str, dict[str, Any]] = Field(
-        default_factory=lambda: {"RandomHorizontalFlip": {"p": 0.5}},
+    augment: list[dict[str, Any]] = Field(
+        default_factory=lambda: [{"name": "RandomHorizontalFlip", "p": 0.5}],
         description="torchvision.transforms.v2 transforms applied in order to each training image and its boxes, "
-        "by name with their arguments: {RandomHorizontalFlip = {p = 0.5}, RandomPhotometricDistort = {}} "
+        'as vision.augment: [{name = "RandomHorizontalFlip", p = 0.5}, {name = "RandomPhotometricDistort"}] '
         "(seeded per sample)")
     score_thresh: float = Field(default=0.05, ge=0, lt=1, description="detections below this score are dropped")
     detections_per_img: int = Field(default=100, ge=1, description="detections kept per image (COCO's maxDets)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,24 +45,6 @@ def mix_seed(*parts: int) -> int:
     """A 63-bit seed from integers (stable across processes and Python versions, unlike ``hash``)."""
     digest = hashlib.blake2b(np.asarray(parts, dtype=np.int64).tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def build_augment(specs: Mapping[str, Mapping[str, Any]]) -> Any:
-    """``torchvision.transforms.v2`` transforms from ``{name: kwargs}`` (in order); an unknown transform or a bad
-    argument is a one-line ValueError (raised in ``validate``, before any run dir exists)."""
-    from torchvision.transforms import v2
-
-    out = []
-    for name, args in specs.items():
-        cls = getattr(v2, name, None)
-        if not isinstance(cls, type) or not issubclass(cls, v2.Transform):
-            raise ValueError(f"detect.augment: {name!r} is not a torchvision.transforms.v2 transform; use names such "
-                             "as RandomHorizontalFlip, RandomPhotometricDistort, RandomZoomOut, ScaleJitter")
-        try:
-            out.append(cls(**args))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"detect.augment: {name}({dict(args)}) failed: {e}; fix its arguments") from None
-    return v2.Compose(out)
 
 
 class CocoSamples:

@@ -61,12 +61,9 @@ class DetectRecipe(Recipe):
         except ImportError as e:
             raise ConfigError(f"--recipe detect needs torchvision and pycocotools ({e.name} is missing); "
                               'pip install "crosstrain[vision]"') from None
-        from crosstrain.plugins.vision.detect.data import build_augment
+        from crosstrain.plugins.vision.data.augment import build_transform
 
-        try:
-            self.augment = build_augment(sec.augment)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self.augment = build_transform(sec.augment, key="detect.augment")
         for key in ("train_annotations", "train_images", "val_annotations", "val_images"):
             path = getattr(sec, key)
             if path and not Path(path).exists():
