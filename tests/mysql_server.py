@@ -18,21 +18,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from postgres_server import free_port
-
-
-@dataclass(frozen=True)
-class Server:
-    host: str
-    port: int
-    password: str
-
-    def url(self, database: str = "tune") -> str:
-        return f"mysql+pymysql://crosstrain:{self.password}@{self.host}:{self.port}/{database}"
+from postgres_server import Server, free_port
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +53,7 @@ def mariadb() -> Iterator[Server]:
         subprocess.run([*client, "-e", f"CREATE USER 'crosstrain'@'127.0.0.1' IDENTIFIED BY '{password}'; "
                         "CREATE DATABASE tune; GRANT ALL ON tune.* TO 'crosstrain'@'127.0.0.1';"],
                        check=True, capture_output=True, timeout=60)
-        yield Server("127.0.0.1", port, password)
+        yield Server("127.0.0.1", port, password, scheme="mysql+pymysql")
     finally:
         proc.terminate()
         proc.wait(timeout=120)

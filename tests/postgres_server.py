@@ -27,12 +27,14 @@ import pytest
 
 @dataclass(frozen=True)
 class Server:
+    """A database server a fixture started, reached as user ``crosstrain`` over TCP (tests/mysql_server.py too)."""
     host: str
     port: int
     password: str
+    scheme: str = "postgresql"
 
     def url(self, database: str = "tune") -> str:
-        return f"postgresql://crosstrain:{self.password}@{self.host}:{self.port}/{database}"
+        return f"{self.scheme}://crosstrain:{self.password}@{self.host}:{self.port}/{database}"
 
 
 def binaries() -> Path | None:
