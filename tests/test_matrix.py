@@ -90,3 +90,34 @@ def test_pairwise_matrix_trains_every_admitted_cell_like_one_process(tmp_path):
     saved = json.loads((tmp_path / "matrix.json").read_text())
     assert {k: saved[k] for k in ("cells", "same", "refused", "failed")} == \
         {k: result[k] for k in ("cells", "same", "refused", "failed")}
+
+
+def test_bad_shard_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+    from crosstrain.testing.matrix.cli import main
+
+    for bad in ("3/2", "0/2", "2", "a/b"):
+        assert main(["--shard", bad, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "--shard 1/4" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stopped_run_resumes_with_only_the_cells_it_lacks(tmp_path):
+    """Every cell of shard 1/2 but its first (a 1-process cell) recorded as a stopped run left them: resuming
+    trains that one cell, for real, and reports the shard's cells, each recorded once."""
+    from crosstrain.testing.matrix import run_matrix
+    from crosstrain.testing.matrix.report import load_done, record
+    from crosstrain.testing.matrix.runner import Outcome
+
+    order = sorted(plan(False)[0], key=lambda c: c.world)
+    shard = order[0::2]
+    assert shard[0].world == 1
+    for cell in shard[1:]:
+        record(tmp_path, Outcome(cell, "same", "recorded", {"loss": 0.0}))
+    outcomes, result = run_matrix(full=False, out=str(tmp_path), log=False, shard=(1, 2), resume=True)
+    ran = [o for o in outcomes if o.status != "refused"]
+    assert [o.cell for o in ran] == shard
+    assert ran[0].status == "same" and ran[0].detail != "recorded", ran[0].detail
+    assert set(load_done(tmp_path)) == set(shard) and len((tmp_path / "cells.jsonl").read_text().splitlines()) \
+        == len(shard)
+    assert result["cells"] == len(shard) + len(plan(False)[1])
