@@ -41,6 +41,7 @@ def evaluate_checkpoint(config: Config, step_dir: Path, verified: bool = False) 
         "batches": held_out.batches,
         "samples": held_out.batches * held_out.batch_size,
         "rank": run.rank,
+        "backend": run.backend.name,
         "world_size": run.world_size,
         "mesh": run.dims.mesh_shape(),
         **{k: v for k, v in results.items() if k.startswith("eval/") and k not in ("eval/loss", "eval/perplexity")},
