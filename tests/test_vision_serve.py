@@ -99,6 +99,9 @@ def test_serve_gives_eval_top1_on_every_held_out_image(run, predictions, tmp_pat
             Image.new("L", (16, 16)).save(big, format="PNG")
             sixteen = base64.b64encode(big.getvalue()).decode()
             wrong_size = client.post("/v1/images/classify", json={"images": [sixteen]})
+            one = base64.b64encode(files[0]).decode()
+            other_model = client.post("/v1/images/classify", json={"images": [one], "model": "other"})
+            too_many = client.post("/v1/images/classify", json={"images": [one] * 513})
     assert len(got) == 368
     assert [g[0]["label"] for g in got] == [p["pred"] for p in predictions]  # the acceptance point
     assert all(g[0]["class"] == p["class"] for g, p in zip(got, predictions, strict=True))
@@ -112,6 +115,8 @@ def test_serve_gives_eval_top1_on_every_held_out_image(run, predictions, tmp_pat
     assert not_b64.status_code == 400 and "base64" in not_b64.json()["error"]["message"]
     assert not_image.status_code == 400 and "readable image" in not_image.json()["error"]["message"]
     assert wrong_size.status_code == 400 and "8x8" in wrong_size.json()["error"]["message"]
+    assert other_model.status_code == 404 and other_model.json()["error"]["code"] == "model_not_found"
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "images"
 
 
 def test_watch_swaps_in_the_checkpoint_of_a_resumed_run(run, tmp_path) -> None:
