@@ -230,3 +230,10 @@ def test_serve_detect_run_gives_the_eval_path_boxes(tmp_path) -> None:
         assert [d["label"] for d in dets] == exp["labels"].tolist()
         np.testing.assert_allclose([d["score"] for d in dets], exp["scores"].numpy(), rtol=1e-5)
         assert all(d["class"] == model.classes[d["label"]] for d in dets)
+
+
+def test_serve_refuses_the_onnxruntime_engine_on_an_image_run(run, capsys) -> None:
+    capsys.readouterr()
+    assert crosstrain_main(["serve", str(run), "--engine", "onnxruntime", "--port", "0"]) == 2
+    captured = capsys.readouterr()
+    assert "--engine torch" in one_line_error(captured.out, captured.err)[-1]
