@@ -101,3 +101,27 @@ def evaluate(recipe: Recipe, models: Mapping[str, TrainedModel], primary: Traine
         result["eval/perplexity"] = math.exp(loss) if loss < 700 else float("inf")
     result["time_eval_s"] = time.perf_counter() - start
     return result
+
+
+@torch.no_grad()
+def eval_predictions(recipe: Recipe, models: Mapping[str, TrainedModel], primary: TrainedModel, dataset: RecipeDataset,
+                     *, batch_size: int, max_batches: int, device: torch.device) -> list[dict[str, object]]:
+    """The recipe's per-sample predictions (``Recipe.eval_predictions``) over the batches :func:`evaluate` takes, in
+    order, one process; each row gets ``index``, the sample's position in the held-out split."""
+    modules = {name: m.module for name, m in models.items()}
+    was_training = {name: m.module.training for name, m in models.items()}
+    for m in models.values():
+        m.module.eval()
+    rows: list[dict[str, object]] = []
+    try:
+        for b in range(eval_batches(len(dataset), batch_size, max_batches)):
+            batch = to_device(dataset.batch(np.arange(b * batch_size, (b + 1) * batch_size)), device)
+            with primary.parallel.autocast():
+                found = recipe.eval_predictions(modules, batch)
+            if found is None:
+                raise ConfigError(f"--recipe {recipe.name} has no per-sample predictions; drop --predictions")
+            rows += [{"index": b * batch_size + i, **row} for i, row in enumerate(found)]
+    finally:
+        for name, m in models.items():
+            m.module.train(was_training[name])
+    return rows

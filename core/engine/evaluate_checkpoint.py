@@ -14,10 +14,12 @@ from crosstrain.config import Config
 from crosstrain.errors import CheckpointError, ConfigError
 
 
-def evaluate_checkpoint(config: Config, step_dir: Path, verified: bool = False) -> dict[str, Any]:
+def evaluate_checkpoint(config: Config, step_dir: Path, verified: bool = False,
+                        predictions: bool = False) -> dict[str, Any]:
     """Evaluate ``step_dir``'s weights on ``config``'s validation data (all ranks call); returns the figures
     (the same on every rank; ``rank`` says whose). ``verified``: its checksums were just checked (the resolver
-    picked it among a run's checkpoints), so they are not read again."""
+    picked it among a run's checkpoints), so they are not read again. ``predictions`` (one process): also the
+    recipe's per-sample predictions of the evaluated samples, as ``"predictions"`` (``Recipe.eval_predictions``)."""
     from crosstrain.engine.run import build_run
 
     _check_verified(step_dir, verified)
@@ -30,6 +32,12 @@ def evaluate_checkpoint(config: Config, step_dir: Path, verified: bool = False) 
         held_out = run.eval
         step = _load_weights(run, step_dir)
         results = run.evaluate()
+        if predictions:
+            from crosstrain.engine.evaluate import eval_predictions
+
+            results["predictions"] = eval_predictions(run.recipe, run.models, run.primary, held_out.dataset,
+                                                      batch_size=held_out.batch_size,
+                                                      max_batches=held_out.max_batches, device=run.device)
     finally:
         run.close()
     perplexity = {"perplexity": results["eval/perplexity"]} if "eval/perplexity" in results else {}
@@ -45,6 +53,7 @@ def evaluate_checkpoint(config: Config, step_dir: Path, verified: bool = False) 
         "world_size": run.world_size,
         "mesh": run.dims.mesh_shape(),
         **{k: v for k, v in results.items() if k.startswith("eval/") and k not in ("eval/loss", "eval/perplexity")},
+        **({"predictions": results["predictions"]} if predictions else {}),
     }
 
 

@@ -145,6 +145,11 @@ class Recipe:
         in :meth:`eval_loss`, gathers it over data-parallel ranks and clears it here). The default has none."""
         return {}
 
+    def eval_predictions(self, models: Mapping[str, nn.Module], batch: Any) -> list[dict[str, Any]] | None:
+        """One JSON-ready dict per sample of an eval batch, in order (``crosstrain eval --predictions FILE``; runs
+        like :meth:`eval_loss`): ``classify`` gives each image's label and top-1. None: this recipe has none."""
+        return None
+
     def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` that the pipeline schedule feeds its first and last stage."""
         raise NotImplementedError

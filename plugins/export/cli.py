@@ -28,6 +28,12 @@ def run_export(args: argparse.Namespace) -> int:
     for flag, value in (("--tolerance", args.tolerance), ("--int8-tolerance", args.int8_tolerance)):
         if not value >= 0:
             raise ExportError(f"{flag} must be >= 0 (a max abs logit error), got {value}")
+    from crosstrain.plugins.vision.load import run_recipe
+
+    if run_recipe(args.source) is not None:  # a classify or detect run: plugins/vision/export.py
+        from crosstrain.plugins.vision.export import run_image_export
+
+        return run_image_export(args, args.source, Path(args.out) if args.out else None)
     if getattr(args, "quantize", None) is not None or getattr(args, "ptq", None) is not None:
         from crosstrain.plugins.compress.qat.cli import run_quantized_export
 

@@ -15,12 +15,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"crosstrain serve needs {', '.join(missing)}; install them with: "
                           "pip install 'crosstrain[serve]'")
+    options = ServeOptions(source=args.source, host=args.host, port=args.port, engine=args.engine,
+                           watch=args.watch, best=args.best, max_batch=args.max_batch,
+                           max_wait_ms=args.max_wait_ms, poll_s=args.poll_s, model_name=args.model_name,
+                           threads=args.threads, shutdown_grace_s=args.shutdown_grace_s)
+    from crosstrain.plugins.vision.load import run_recipe
+
+    if run_recipe(args.source) is not None:  # a classify or detect run: the image endpoints
+        from crosstrain.plugins.vision.serve import serve_images
+
+        return serve_images(options)
     from crosstrain.plugins.serve.server import main
 
-    return main(ServeOptions(source=args.source, host=args.host, port=args.port, engine=args.engine,
-                             watch=args.watch, best=args.best, max_batch=args.max_batch,
-                             max_wait_ms=args.max_wait_ms, poll_s=args.poll_s, model_name=args.model_name,
-                             threads=args.threads, shutdown_grace_s=args.shutdown_grace_s))
+    return main(options)
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit={args.limit} must be >= 1 (omit it to score every item)")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError(f"--num-fewshot={args.num_fewshot} must be >= 0 (omit it for each task's own)")
+    predictions = _predictions_path(args.predictions, tasks, args.nproc)
     if tasks and args.nproc is not None:
         raise ConfigError("--tasks scores in this process; drop --nproc")
     overrides = [*(args.set or []), *([f"data.val_path={args.data}"] if args.data else []),
@@ -61,9 +63,15 @@ def run(args: argparse.Namespace) -> int:
 
         check_world(config, args.nproc)
         return launch(_worker_args(args), nproc=args.nproc)
-    result = evaluate_checkpoint(config, source.path, verified=source.verified)
+    result = evaluate_checkpoint(config, source.path, verified=source.verified, predictions=predictions is not None)
     if result.pop("rank"):
         return 0  # every rank has the figures; rank 0 prints them
+    if predictions is not None:
+        from crosstrain.checkpoint.atomic import atomic_write
+
+        rows = result.pop("predictions")
+        atomic_write(predictions, "".join(json.dumps(row) + "\n" for row in rows))
+        result["predictions"] = str(predictions)
     if args.json:
         print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                           for k, v in result.items()}))
@@ -72,6 +80,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"crosstrain: eval of {result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f}"
               f"{perplexity} over {result['samples']} samples", file=sys.stdout)
     return 0
+
+
+def _predictions_path(value: str | None, tasks: list[str], nproc: int | None) -> Path | None:
+    """``--predictions FILE``, checked before any weights load: one process, no --tasks, a file in a folder."""
+    from crosstrain.errors import ConfigError
+
+    if value is None:
+        return None
+    if tasks or nproc is not None:
+        raise ConfigError("--predictions writes the samples of one process's loss evaluation; drop "
+                          + ("--tasks" if tasks else "--nproc"))
+    path = Path(value)
+    if path.is_dir() or not path.parent.is_dir():
+        raise ConfigError(f"--predictions {value}: give a file path in an existing folder (JSON lines are written)")
+    return path
 
 
 def _score(args: argparse.Namespace, config: Any, source: Any, tasks: list[str]) -> int:
@@ -103,6 +126,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. --set parallel.tp=2")
     p.add_argument("--nproc", type=int, default=None, help="evaluate on N local worker processes")
+    p.add_argument("--predictions", default=None, metavar="FILE",
+                   help="also write each evaluated sample's prediction as JSON lines (recipes that have them: "
+                        "classify gives label and top-1)")
     p.add_argument("--tasks", default=None, metavar="NAME_OR_YAML[,...]",
                    help="score lm-evaluation-harness tasks instead of the loss: registered names or local task "
                         "YAML files (needs crosstrain[eval])")

@@ -157,6 +157,17 @@ class ClassifyRecipe(Recipe):
                                                       if not k.startswith("confusion/")}})
         return MicroBatchLoss(loss, metrics)
 
+    def eval_predictions(self, models: Mapping[str, nn.Module], batch: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+        """Each image's ``label``, top-1 ``pred`` (argmax of the logits, as ``eval/top1`` counts it), its class
+        name and softmax ``score``."""
+        from crosstrain.plugins.vision.predict import top_k
+
+        assert self.train_source is not None
+        names = [*self.train_source.classes, *map(str, range(len(self.train_source.classes), self.num_classes))]
+        best = top_k(models["model"](batch["images"]).float().cpu(), names, 1)
+        return [{"label": int(y), "pred": b[0]["label"], "class": b[0]["class"], "score": b[0]["score"]}
+                for y, b in zip(batch["labels"].tolist(), best, strict=True)]
+
     def eval_metrics(self, means: Mapping[str, float]) -> dict[str, float]:
         return {**class_report(means, "eval/"), **class_report(means, "eval/ema/")}
 

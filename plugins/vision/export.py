@@ -1,0 +1,158 @@
+"""``crosstrain export <classify run> --format onnx``: the classifier as an ONNX graph, ``images`` (float32
+``[batch, C, H, W]``, the run's held-out preprocessing: :meth:`~crosstrain.plugins.vision.load.ImageModel.preprocess`)
+-> ``logits`` ``[batch, classes]``, with a dynamic batch axis and the class names and preprocessing in its
+``metadata_props``. Written only if it passes the export plugin's fp32 parity gate (max abs logit error of
+onnxruntime vs PyTorch <= ``DEFAULT_TOLERANCE``, 1e-4) on several batches of the run's held-out images and one of
+noise. A detect run, ``--int8`` and the quantized exports are refused in one line (docs/vision.md says why)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from crosstrain.plugins.export.errors import ExportError, ParityError
+from crosstrain.plugins.vision.load import ImageModel
+
+#: ONNX metadata key of the preprocessing and class names a client needs
+META_IMAGES = "crosstrain.images"
+#: batch sizes the parity gate runs (held-out images), then one batch of noise of the first size
+PARITY_BATCHES = (1, 7, 16, 64)
+
+
+@dataclass
+class ImageParity:
+    """Max abs logit error of onnxruntime vs PyTorch over ``batches`` batches (``images`` images in all) and
+    whether the two agree on every image's top-1."""
+
+    tolerance: float
+    max_abs_err: float
+    batches: int
+    images: int
+    top1_agree: bool
+    passed: bool
+
+    def describe(self) -> str:
+        verdict = "ok" if self.passed else "FAILED"
+        agree = "the same top-1 on every image" if self.top1_agree else "top-1 differs on some images"
+        return (f"max abs logit error {self.max_abs_err:.3g} over {self.batches} batches ({self.images} images), "
+                f"{agree}, tolerance {self.tolerance:g}: {verdict}")
+
+
+def refuse(recipe: str, args: argparse.Namespace) -> None:
+    """One-line refusals of what this export does not do, before anything is loaded or written."""
+    if getattr(args, "quantize", None) is not None or getattr(args, "ptq", None) is not None:
+        raise ExportError("--quantize/--ptq export the compress plugin's int8/int4 GPT linear layers; a --recipe "
+                          f"{recipe} conv net has no quantized export: drop the flag (fp32 ONNX with --format onnx)")
+    if recipe == "detect":
+        raise ExportError("ONNX export of a --recipe detect run is not implemented (torchvision's FCOS/RetinaNet "
+                          "post-processing: per-level top-k and batched NMS over dynamic shapes); serve the run with "
+                          "`crosstrain serve RUN` (POST /v1/images/detect)")
+    if args.format != "onnx":
+        raise ExportError(f"--format {args.format} exports a language model; an image classifier exports with "
+                          "--format onnx")
+    if args.int8:
+        raise ExportError("--int8 quantizes MatMul weights only (the GPT's); a conv classifier has one MatMul, its "
+                          "head, so it is refused: export fp32 without --int8")
+
+
+def _held_out_batches(model: ImageModel, seed: int) -> list[torch.Tensor]:
+    """The parity inputs: the first ``PARITY_BATCHES`` held-out images of the run (cycled if fewer), then noise."""
+    from crosstrain.plugins.vision.data.sources import build_sources
+
+    _, held = build_sources(model.config.section("vision"))
+    out, start = [], 0
+    for size in PARITY_BATCHES:
+        idx = [(start + i) % len(held) for i in range(size)]
+        out.append(model.preprocess([held.load(i) for i in idx]))
+        start += size
+    gen = torch.Generator().manual_seed(seed)
+    out.append(torch.randn((PARITY_BATCHES[0] * 3, *model.shape), generator=gen))
+    return out
+
+
+@torch.no_grad()
+def check_image_parity(model: ImageModel, onnx_path: Path, tolerance: float, seed: int = 0) -> ImageParity:
+    from crosstrain.plugins.export.runtime import make_session, run
+
+    session = make_session(onnx_path)
+    worst, agree, images = 0.0, True, 0
+    batches = _held_out_batches(model, seed)
+    for x in batches:
+        ref = model.model(x).float().numpy()
+        got = run(session, {"images": x.numpy()})[0]
+        err = float(np.abs(got - ref).max())
+        worst = max(worst, err if np.isfinite(err) else float("inf"))
+        agree = agree and bool((got.argmax(-1) == ref.argmax(-1)).all())
+        images += len(x)
+    return ImageParity(tolerance, worst, len(batches), images, agree, worst <= tolerance)
+
+
+def trace(model: ImageModel, path: Path, opset: int | None) -> None:
+    from torch.export import Dim
+
+    from crosstrain.checkpoint.atomic import disk_errors
+    from crosstrain.plugins.export.onnx_export import _quiet, root_cause
+
+    example = torch.zeros((2, *model.shape))  # a batch of 2, so the batch axis is not specialised to 1
+    try:
+        with _quiet():
+            program = torch.onnx.export(model.model, (example,), dynamo=True, input_names=["images"],
+                                        output_names=["logits"], opset_version=opset, verbose=False, optimize=True,
+                                        dynamic_shapes=({0: Dim("batch", min=1, max=65536)},))
+    except Exception as exc:
+        raise ExportError(f"torch.onnx.export failed for this classifier: {root_cause(exc)}") from exc
+    if program is None:
+        raise ExportError("torch.onnx.export returned no program")
+    meta = {"recipe": "classify", "classes": model.classes, "channels": model.channels, "size": list(model.shape[1:]),
+            "image_size": model.image_size, "mean": model.mean or [0.5] * model.channels,
+            "std": model.std or [0.5] * model.channels, "scale": "x / 255", "source": model.source,
+            "step": model.step, "params_sha256": model.params_sha256}
+    program.model.metadata_props.update({META_IMAGES: json.dumps(meta)})
+    with _quiet(), disk_errors(path):
+        program.save(str(path))
+
+
+def export_classifier(model: ImageModel, out: Path, *, tolerance: float, opset: int | None = None) -> dict[str, Any]:
+    """Trace, gate and publish ``out`` (the model file renamed into place last); on any failure nothing is left."""
+    from crosstrain.plugins.export.onnx_export import _publish
+
+    if out.suffix != ".onnx" or out.is_dir():
+        raise ExportError(f"--out {out} must be a file path ending in .onnx")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        trace(model, tmp_dir / out.name, opset)
+        parity = check_image_parity(model, tmp_dir / out.name, tolerance)
+        if not parity.passed:
+            raise ParityError(f"ONNX fp32 parity check failed: {parity.describe()}; nothing was written (raise the "
+                              "tolerance with --tolerance only if this error is acceptable)")
+        files = _publish(tmp_dir, out.name, out.parent)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return {"path": str(out), "files": files, "parity": asdict(parity), "parity_line": parity.describe()}
+
+
+def run_image_export(args: argparse.Namespace, source: str, out: Path | None) -> int:
+    """``crosstrain export`` on a classify or detect run (the export CLI dispatches here)."""
+    from crosstrain.plugins.export.cli import default_out
+    from crosstrain.plugins.vision.load import load_image_model, run_recipe
+
+    refuse(str(run_recipe(source)), args)
+    model = load_image_model(source, best=args.best)
+    target = out if out is not None else default_out(Path(source), "onnx")
+    report = export_classifier(model, target, tolerance=args.tolerance, opset=args.opset)
+    if args.json:
+        print(json.dumps({"source": model.source, "format": "onnx", "recipe": model.recipe, "step": model.step,
+                          "classes": model.classes, **report}))
+    else:
+        print(f"wrote {target}")
+        print(f"parity fp32: {report['parity_line']}")
+    return 0
