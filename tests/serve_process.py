@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -28,12 +29,13 @@ class ServeProcess:
 
 
 @contextmanager
-def serve_process(args: list[str], log: Path) -> Iterator[ServeProcess]:
-    """``crosstrain serve *args --port 0``; its stderr goes to ``log`` (a file, not a pipe nobody reads: the server
-    can never block on it)."""
+def serve_process(args: list[str], log: Path, api_key: str | None = None) -> Iterator[ServeProcess]:
+    """``crosstrain serve *args --port 0`` (``api_key``: its ``CROSSTRAIN_API_KEY``); its stderr goes to ``log`` (a
+    file, not a pipe nobody reads: the server can never block on it)."""
+    env = {**os.environ, **({"CROSSTRAIN_API_KEY": api_key} if api_key else {})}
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "crosstrain", "serve", *args, "--port", "0"],
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     try:
         yield ServeProcess(proc, log)
     finally:

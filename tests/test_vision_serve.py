@@ -124,8 +124,10 @@ def test_watch_swaps_in_the_checkpoint_of_a_resumed_run(run, tmp_path) -> None:
     shutil.copytree(run, live)
     files, _ = _held_out_pngs()
     image = base64.b64encode(files[0]).decode()
-    with serve_process([str(live), "--watch", "--poll-s", "0.3"], tmp_path / "serve.log") as server:
-        with httpx.Client(base_url=server.url, timeout=120) as client:
+    key = "vision-test-key"  # the image endpoints authenticate as the language-model server does
+    with serve_process([str(live), "--watch", "--poll-s", "0.3"], tmp_path / "serve.log", api_key=key) as server:
+        assert httpx.post(f"{server.url}/v1/images/classify", json={"images": [image]}).status_code == 401
+        with httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
             assert client.post("/v1/images/classify", json={"images": [image]}).json()["step"] == STEPS
             _train(live, STEPS + 30)  # resumes from step_150 and writes step_180
             deadline = time.monotonic() + 120

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from crosstrain.errors import ConfigError
 
@@ -16,7 +16,8 @@ class ServeOptions:
     ``max_batch`` sequences share each decode step; an idle server waits up to ``max_wait_ms`` for more requests
     before starting a batch. ``model_name``: the id clients pass as ``model`` (default: the run dir's name).
     ``shutdown_grace_s``: on SIGTERM/SIGINT, how long replies in flight may run before they are ended (an SSE error
-    event and ``[DONE]``); 10 s leaves room within Kubernetes' default 30 s before it sends SIGKILL."""
+    event and ``[DONE]``); 10 s leaves room within Kubernetes' default 30 s before it sends SIGKILL. ``api_key``:
+    see :mod:`crosstrain.plugins.serve.auth` (a host beyond loopback without one is refused here)."""
 
     source: str
     host: str = "127.0.0.1"
@@ -30,8 +31,14 @@ class ServeOptions:
     model_name: str | None = None
     threads: int | None = None
     shutdown_grace_s: float = 10.0
+    #: the bearer key every /v1/ request must send (crosstrain.plugins.serve.auth); None: CROSSTRAIN_API_KEY's
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        from crosstrain.plugins.serve.auth import api_key_for
+
+        if self.api_key is None:  # frozen: set once, here, where every other option is checked
+            object.__setattr__(self, "api_key", api_key_for(self.host))
         if self.engine not in ENGINES:
             raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 0 <= self.port <= 65535:

@@ -49,6 +49,7 @@ class Server:
 
         from crosstrain.kernels import registry as kernel_registry
         from crosstrain.plugins.serve.app import Served, create_app
+        from crosstrain.plugins.serve.auth import require_api_key
         from crosstrain.plugins.serve.manager import ModelManager
         from crosstrain.plugins.serve.metrics import ServeMetrics
         from crosstrain.plugins.serve.scheduler import Scheduler
@@ -74,6 +75,7 @@ class Server:
         self.name = options.model_name or _default_name(options.source)
         self.served = Served(self.name, self.manager, self.scheduler, self.metrics)
         self.app = create_app(self.served)
+        require_api_key(self.app, options.api_key)
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
 

@@ -149,6 +149,7 @@ def serve_images(options: Any) -> int:
     import uvicorn
 
     from crosstrain.errors import ConfigError
+    from crosstrain.plugins.serve.auth import require_api_key
     from crosstrain.plugins.serve.server import _default_name, bind
     from crosstrain.plugins.serve.shutdown import FLUSH_S, GracefulServer, InFlight
     from crosstrain.plugins.vision.serve_app import create_image_app
@@ -165,6 +166,7 @@ def serve_images(options: Any) -> int:
         manager = ImageManager(options.source, watch=options.watch, best=options.best, poll_s=options.poll_s)
         name = options.model_name or _default_name(options.source)
         app = create_image_app(name, manager)
+        require_api_key(app, options.api_key)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=options.shutdown_grace_s + FLUSH_S)
         host = options.host if options.host not in ("0.0.0.0", "::") else "127.0.0.1"
