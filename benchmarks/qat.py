@@ -57,7 +57,8 @@ def _config(args: argparse.Namespace, qat: str, *extra: str):  # type: ignore[no
         f"train.steps={args.steps}", f"train.batch_size={args.batch_size}", f"train.seq_len={args.seq_len}",
         f"model.ffn_dim={args.ffn_dim}", "eval.every=0", "checkpoint.final=true", "checkpoint.keep_last=10",
         "logging.progress=none", "logging.tensorboard=false", "schedule.warmup_steps=10", f"train.seed={args.seed}",
-        f"quant.qat={qat}", f"quant.group_size={args.group_size}"])
+        f"quant.qat={qat}", f"quant.group_size={args.group_size}", f"optim.lr={args.lr}",
+        f"optim.weight_decay={args.weight_decay}"])
 
 
 def _train(args: argparse.Namespace, qat: str, run_dir: Path, *extra: str) -> Path:
@@ -116,6 +117,8 @@ def main() -> None:
     p.add_argument("--ffn-dim", type=int, default=384, help="a multiple of --group-size")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (optim.lr)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--isa", choices=("host", "avx2"), default="host",
                    help="avx2: compute as an AVX2 host does (MKL, oneDNN and ATen pinned to their AVX2 paths)")
     args = p.parse_args()
@@ -152,7 +155,8 @@ def main() -> None:
         q_bytes = (root / "qat.onnx").stat().st_size
     gap = loss_ptq - loss_fp32
     result = {
-        "scheme": SCHEME, "group_size": args.group_size, "steps": args.steps, "qat_from_step": args.steps - k,
+        "scheme": SCHEME, "group_size": args.group_size, "lr": args.lr, "weight_decay": args.weight_decay,
+        "steps": args.steps, "qat_from_step": args.steps - k,
         "model": {"preset": "tiny", "dim": args.dim, "n_layers": args.layers, "ffn_dim": args.ffn_dim},
         "loss_fp32": loss_fp32, "loss_ptq": loss_ptq, "loss_qat": loss_qat, "loss_qat_weights_fp": with_fp,
         "loss_ptq_int8": loss_ptq_int8,
