@@ -24,7 +24,7 @@ the quantised export strips), and the onnxruntime parity of the quantised model 
 
 Hosts: the script trains with the reference kernels and torch's optimizer (crosstrain's native CPU kernels pick
 their ISA at run time) on one thread and states the host (CPU model, flags, the ISA ATen dispatches to, any pins)
-in the JSON. ``--isa avx2`` computes as an AVX2 host does on any newer one: it pins, before torch loads, MKL to
+in the JSON. ``--isa avx2`` takes an AVX2 host's code paths on any newer one: it pins, before torch loads, MKL to
 its AVX2 branch with conditional numerical reproducibility (``MKL_CBWR=AVX2,STRICT``), torch's own kernels
 (``ATEN_CPU_CAPABILITY=avx2``) and oneDNN's (``ONEDNN_MAX_CPU_ISA=AVX2``).
 
@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (optim.lr)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--isa", choices=("host", "avx2"), default="host",
-                   help="avx2: compute as an AVX2 host does (MKL, oneDNN and ATen pinned to their AVX2 paths)")
+                   help="avx2: an AVX2 host's code paths (MKL, oneDNN and ATen pinned to their AVX2 paths)")
     args = p.parse_args()
     if args.isa == "avx2":
         os.environ.update(AVX2_PINS)
