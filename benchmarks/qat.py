@@ -4,8 +4,8 @@ Two runs on the embedded corpus with equal total steps, data and seed: ``fp32`` 
 and ``qat``: the same run resumed from its checkpoint at step N - K and **fine-tuned with fake quantisation**
 (``quant.qat = "int8-act-int4-weight"``) for the last K steps (torchao's recipe: QAT as a fine-tune of a trained
 model), so the step count, data order and LR schedule are the fp32 run's. ``--quick``: 900 steps, the last
-300 with QAT, so QAT fine-tunes a model trained well past the fast early descent (fine-tuning the last 200 of 300
-steps recovered only 0.49: QAT's slower learning and the model's still falling loss compete with the recovery).
+300 with QAT, so QAT fine-tunes a model past its fast early descent (docs/compress.md has the figures per ISA and
+seed: the gap PTQ leaves here, about 1.5% of the loss, is not far above what the ISA's rounding moves).
 On the held-out split (``crosstrain eval``'s evaluation: its first ``eval.max_batches`` = 20 batches):
 
 - ``loss_fp32``: the fp32 run in floating point;
