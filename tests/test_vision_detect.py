@@ -1,7 +1,8 @@
 """``--recipe detect`` on tiny embedded shapes: the loss of each step equal to the plain torchvision-style loop's
 (rel 1e-5) and on 2 data-parallel processes (FCOS, rel 1e-5), COCO mAP through pycocotools on known detections,
 the shapes written deterministically in COCO format, the pure-torch NMS against brute force, seeded augmentation,
-and the bad inputs (one line, exit 2, nothing written). The full mAP run (>= 0.8 mAP@.5 beside the plain loop) is benchmarks/vision_detect.py."""
+and the bad inputs (one line, exit 2, nothing written). The full mAP run (>= 0.8 mAP@.5 beside the plain loop)
+is benchmarks/vision_detect.py."""
 
 from __future__ import annotations
 
