@@ -1,7 +1,8 @@
 """``--recipe detect`` on tiny embedded shapes: the loss of each step equal to the plain torchvision-style loop's
-(rel 1e-5), COCO mAP through pycocotools on known detections, the shapes written deterministically in COCO format,
-the pure-torch NMS against brute force, seeded augmentation, and the bad inputs (one line, exit 2, nothing
-written). The full mAP run (>= 0.8 mAP@.5 beside the plain loop) is benchmarks/vision_detect.py."""
+(rel 1e-5) and on 2 data-parallel processes (FCOS, rel 1e-5), COCO mAP through pycocotools on known detections,
+the shapes written deterministically in COCO format, the pure-torch NMS against brute force, seeded augmentation,
+and the bad inputs (one line, exit 2, nothing written). The full mAP run (>= 0.8 mAP@.5 beside the plain loop)
+is benchmarks/vision_detect.py."""
 
 from __future__ import annotations
 
@@ -228,3 +229,24 @@ def test_killed_run_resumes_to_the_same_weights(shapes, tmp_path) -> None:
     ours, theirs = (json.loads((d / "summary.json").read_text()) for d in (run, ref))
     assert ours["steps"] == 5 and ours["steps_this_run"] < 5
     assert ours["params_sha256"] == theirs["params_sha256"]
+
+
+def test_two_ranks_equal_one_for_fcos(shapes, tmp_path) -> None:
+    """FCOS normalises by the foreground count of the global batch (models.GlobalCountFCOSHead), so 2 data-parallel
+    processes log the one-process losses (torchvision's per-process count differed by 1e-3 on the first step)."""
+    import os
+    import subprocess
+    import sys
+
+    sets = ["detect.model=fcos_resnet18_fpn", "train.steps=3", "eval.every=0", "train.threads=1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert crosstrain_main(_argv(one, shapes, *sets)) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "crosstrain", *_argv(two, shapes, *sets, "parallel.dp_shard=2"),
+                           "--nproc", "2"], capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="1"),
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (json.loads((r / "summary.json").read_text()) for r in (one, two))
+    assert b["mesh"]["dp_shard"] == 2 and len(a["losses"]) == len(b["losses"]) == 3
+    assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
+    assert len({round(x, 4) for x in a["losses"]}) == 3  # it trained

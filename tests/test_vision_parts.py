@@ -57,6 +57,19 @@ def test_cross_entropy_with_smoothing_and_weights_equals_torch() -> None:
     assert halves.item() == pytest.approx(weighted.item(), rel=1e-6)
 
 
+
+def test_plain_cross_entropy_takes_torchs_kernel_with_the_general_paths_gradients() -> None:
+    """Hard labels, no smoothing or weights: ``F.cross_entropy`` (the fast path) gives the gradients of the general
+    soft-label path (focal with gamma 0) bit for bit, and its loss to an ulp, so training is unchanged."""
+    gen = torch.Generator().manual_seed(2)
+    for batch in (16, 8, 7, 1):
+        x = (torch.randn(batch, 10, generator=gen) * 4).requires_grad_()
+        y = torch.randint(10, (batch,), generator=gen)
+        fast = classification_loss(x, y)
+        general = focal_loss(x, soft_targets(y, 10), gamma=0.0).mean()
+        assert torch.equal(torch.autograd.grad(fast, x)[0], torch.autograd.grad(general, x)[0])
+        assert fast.item() == pytest.approx(general.item(), rel=1e-6)
+
 def test_class_weights_and_per_class_metrics_equal_scikit_learn() -> None:
     from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
     from sklearn.utils.class_weight import compute_class_weight

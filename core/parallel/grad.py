@@ -3,6 +3,7 @@ grads)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,11 +25,11 @@ def align_grads_(params: Iterable[torch.Tensor]) -> int:
     to ``Shard`` is a local slice; ``Partial`` becomes a reduce-scatter, the reduction it needed anyway.
     """
     moved = 0
+    pairs = [(p, p.grad) for p in params if isinstance(p, DTensor) and isinstance(p.grad, DTensor)]
+    if not pairs:  # plain tensors (one process, DDP): nothing to move, and no logger filter to set every step
+        return 0
     with quiet_redistribute():
-        for p in params:
-            g = p.grad
-            if not isinstance(p, DTensor) or not isinstance(g, DTensor):
-                continue
+        for p, g in pairs:
             if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
                 p.grad = g.redistribute(p.device_mesh, p.placements)
                 moved += 1
@@ -55,15 +56,21 @@ def total_grad_norm(params: Iterable[torch.Tensor], pp_group: Any = None,
     ones are counted once); with pipeline parallelism the squared norms of the stages are summed over the
     ``pp_group``.
     """
-    groups = _group_grads(params)
+    return _total_norm(_group_grads(params), pp_group, device)
+
+
+def _total_norm(groups: dict[Any, list[torch.Tensor]], pp_group: Any = None,
+                device: torch.device | None = None) -> torch.Tensor:
     squares: list[torch.Tensor] = []
-    with quiet_redistribute():
+    with quiet_redistribute() if any(key is not None for key in groups) else contextlib.nullcontext():
         for grads in groups.values():
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
             squares.append(norm.float().pow(2))
-    if squares:
+    if len(squares) == 1:  # the sum of one element, bit for bit, without a stack and a reduction a step
+        total_sq = squares[0]
+    elif squares:
         total_sq = torch.stack([s.to(squares[0].device) for s in squares]).sum()
     else:
         total_sq = torch.zeros((), dtype=torch.float32, device=device)
@@ -80,12 +87,12 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, pp_group: A
 
     ``max_norm <= 0`` only measures the norm.
     """
-    params = list(params)
-    total = total_grad_norm(params, pp_group, device)
+    groups = _group_grads(params)
+    total = _total_norm(groups, pp_group, device)
     if max_norm is None or max_norm <= 0:
         return total
     coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-    for grads in _group_grads(params).values():
+    for grads in groups.values():
         c = coef.to(grads[0].device)
         torch._foreach_mul_(grads, c)
     return total
