@@ -111,11 +111,19 @@ def test_serve_on_simdev_answers_as_cpu(run: Path, servers: dict[str, str]) -> N
         model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]
         assert (model["engine"], model["backend"], model["device"]) == ("torch", b, DEVICES[b])
         assert model["gate"]["passed"], model["gate"]
-    for body in ({"temperature": 0}, SAMPLED):
-        texts = {}
+    # greedy with the prompt scored and 2 alternatives per token (log-probs computed on the device), then seeded
+    for body in ({"temperature": 0, "logprobs": 2, "echo": True}, SAMPLED):
+        choices = {}
         for b, url in servers.items():
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 12, **body}, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 12
-            texts[b] = r.json()["choices"][0]["text"]
-        assert texts["simdev"] == texts["cpu"], body
+            choices[b] = r.json()["choices"][0]
+        assert choices["simdev"]["text"] == choices["cpu"]["text"], body
+        if "logprobs" in body:
+            cpu, sim = choices["cpu"]["logprobs"], choices["simdev"]["logprobs"]
+            assert choices["cpu"]["text"].startswith("Hello") and len(cpu["tokens"]) == 5 + 12
+            assert sim["tokens"] == cpu["tokens"]
+            assert cpu["token_logprobs"][0] is None and sim["token_logprobs"][0] is None
+            assert sim["token_logprobs"][1:] == pytest.approx(cpu["token_logprobs"][1:], rel=1e-6, abs=1e-7)
+            assert [sorted(t) for t in sim["top_logprobs"][1:]] == [sorted(t) for t in cpu["top_logprobs"][1:]]
