@@ -137,11 +137,13 @@ def run_generate(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - t0
     text = decode(engine.tokenizer, new)
     if args.json:
-        print(json.dumps({"engine": engine_name, "prompt_ids": prompt, "new_ids": new, "text": text,
+        print(json.dumps({"engine": engine_name, "backend": engine.placement.backend,
+                          "device": str(engine.placement.device), "prompt_ids": prompt, "new_ids": new, "text": text,
                           "seconds": seconds, "tokens_per_s": len(new) / seconds if seconds > 0 else None}))
     else:
         print(decode(engine.tokenizer, prompt) + text)
-        print(f"[{engine_name}] {len(new)} tokens in {seconds:.3f}s ({len(new) / max(seconds, 1e-9):.1f} tokens/s)",
+        rate = len(new) / max(seconds, 1e-9)
+        print(f"[{engine_name} on {engine.placement.device}] {len(new)} tokens in {seconds:.3f}s ({rate:.1f} tokens/s)",
               file=sys.stderr)
     return 0
 

@@ -23,14 +23,17 @@ from crosstrain.generation.sampling import next_tokens
 from crosstrain.kernels import registry as kernel_registry
 from crosstrain.models.gpt import GPT, GPTConfig
 from crosstrain.plugins.export.errors import ExportError
+from crosstrain.plugins.export.placement import HOST, Placement, inference_placement
 from crosstrain.plugins.export.runtime import run
 
 
 class Engine(Protocol):
-    """Runs ``input_ids [B, T]`` on top of an opaque cache; returns ``[B, T, vocab]`` fp32 logits and the new cache."""
+    """Runs ``input_ids [B, T]`` on top of an opaque cache; returns ``[B, T, vocab]`` fp32 logits (host arrays) and
+    the new cache. ``placement`` says where it computes."""
 
     config: GPTConfig
     tokenizer: dict[str, Any]
+    placement: Placement
 
     def forward(self, ids: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]: ...
 
@@ -44,10 +47,14 @@ class TorchEngine:
     ``(k, v)``), which is what the exported ONNX graph computes; benchmarks/export.py compares the two that way.
     """
 
-    def __init__(self, model: GPT, tokenizer: dict[str, Any] | None = None, config: Any = None) -> None:
+    def __init__(self, model: GPT, tokenizer: dict[str, Any] | None = None, config: Any = None,
+                 placement: Placement | None = None) -> None:
+        """``placement``: where to compute (the model is moved there); None is the process's backend
+        (:func:`~crosstrain.plugins.export.placement.inference_placement`)."""
         from crosstrain.plugins.export.loading import tokenizer_metadata
 
-        self.model = model.eval()
+        self.placement = placement or inference_placement()
+        self.model = model.to(self.placement.device).eval()
         self.config = config if config is not None else model.config  # a generic model: its GenericConfig
         self.tokenizer = tokenizer or tokenizer_metadata(model.config)
 
@@ -59,12 +66,13 @@ class TorchEngine:
             if not isinstance(cache, StaticKVCache):
                 return self.model.forward_with_cache(ids, cache)
             batch, length = ids.shape
-            positions = torch.arange(cache.length, cache.length + length).expand(batch, length)
+            positions = torch.arange(cache.length, cache.length + length, device=ids.device).expand(batch, length)
             return self.model.forward_cached(ids, positions, cache, None), cache  # equal-length rows: no padding
 
     def forward(self, ids: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:
-        logits, cache = self.forward_torch(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), cache)
-        return logits.float().numpy(), cache
+        ids_t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.placement.device)
+        logits, cache = self.forward_torch(ids_t, cache)
+        return logits.float().to("cpu").numpy(), cache  # an accelerator's logits reach the host by an explicit copy
 
     def generate(self, rows: list[list[int]], max_new_tokens: int, sampling: Sampling, stops: tuple[int, ...],
                  generator: torch.Generator) -> list[list[int]]:
@@ -85,6 +93,7 @@ class OrtEngine:
         from crosstrain.plugins.export.runtime import make_session, read_metadata
 
         self.path = str(path)
+        self.placement = HOST
         self.session = session if session is not None else make_session(path, threads)
         self.config, self.tokenizer = read_metadata(self.session)
         self._past_names = [i.name for i in self.session.get_inputs()][1:]
@@ -189,11 +198,7 @@ def generate(
     check_length(cfg, ids.shape[1], max_new_tokens)
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ExportError(f"prompt token ids must lie in [0, {cfg.vocab_size})")
-    generator = torch.Generator()
-    if sampling.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(sampling.seed)
+    generator = engine.placement.generator(sampling.seed)  # on the device where the logits are sampled
     stops = stop_set(engine.tokenizer, eos_id)
     if isinstance(engine, TorchEngine):
         return engine.generate(ids.tolist(), max_new_tokens, sampling, stops, generator)

@@ -9,7 +9,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -150,11 +149,7 @@ def _job(served: Served, body: Sampling, prompt: list[int], stops: tuple[str, ..
                        param="prompt" if room <= 0 else "max_tokens", code="context_length_exceeded")
     from crosstrain.plugins.serve.chat import stop_ids
 
-    generator = torch.Generator()
-    if body.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(body.seed)
+    generator = version.placement.generator(body.seed)  # on the device the batch samples on
     return Job(prompt, body.generation(max_tokens, stop_ids(version.tokenizer)), generator, stops,
                version.codec.decode, asyncio.get_running_loop(), alternatives=body.alternatives(),
                score_prompt=body.score_prompt())

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from crosstrain.generation.sharded import model_device
 from crosstrain.generation.slots import SlotKVCache
 
 #: fixed prompts (bytes; ids are taken modulo the vocabulary for other tokenizers)
@@ -40,13 +41,15 @@ def gate_prompts(vocab: int) -> list[list[int]]:
 def torch_engine_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
     """Last-token logits ``[len(prompts), vocab]`` through the serving path: each prompt but its last token
     prefilled alone, then all last tokens decoded in one step of a :class:`SlotKVCache` (rows of mixed lengths)."""
+    device = model_device(model)
     cache = SlotKVCache(len(model.blocks()), len(prompts), int(model.config.max_seq_len))
     for p in prompts:
-        prefill = model.allocate_kv_cache(1, len(p) - 1, None, None)
-        model.forward_cached(torch.tensor([p[:-1]]), torch.arange(len(p) - 1).unsqueeze(0), prefill, None)
+        prefill = model.allocate_kv_cache(1, len(p) - 1, None, device)
+        model.forward_cached(torch.tensor([p[:-1]], device=device), torch.arange(len(p) - 1, device=device)[None],
+                             prefill, None)
         cache.admit(prefill)
-    last = torch.tensor([[p[-1]] for p in prompts])
-    return model.forward_cached(last, cache.positions(last.device), cache, None)[:, -1].float()
+    last = torch.tensor([[p[-1]] for p in prompts], device=device)
+    return model.forward_cached(last, cache.positions(device), cache, None)[:, -1].float()
 
 
 def ort_engine_logits(engine: Any, prompts: list[list[int]]) -> torch.Tensor:
@@ -62,7 +65,8 @@ def ort_engine_logits(engine: Any, prompts: list[list[int]]) -> torch.Tensor:
 @torch.no_grad()
 def reference_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
     """The training forward (``GPT.forward``, no cache) on each whole prompt: the last position's logits."""
-    return torch.cat([model(torch.tensor([p]))[:, -1].float() for p in prompts])
+    device = model_device(model)
+    return torch.cat([model(torch.tensor([p], device=device))[:, -1].float() for p in prompts])
 
 
 def recorded_eval_loss(run_dir: Path | None, step: int | None) -> tuple[bool, float | None]:
@@ -92,12 +96,12 @@ def check(model: Any, engine: Any, run_dir: Path | None, step: int | None,
     vocab = int((model.config if model is not None else engine.config).vocab_size)
     prompts = gate_prompts(vocab)
     served = torch_engine_logits(model, prompts) if engine is None else ort_engine_logits(engine, prompts)
-    if not bool(torch.isfinite(served).all()):
+    if not bool(torch.isfinite(served).all().to("cpu")):
         return GateReport(False, "the engine's logits on the gate prompts are not finite (NaN/inf weights)", None,
                           eval_loss)
     if model is None:
         return GateReport(True, "finite logits (an .onnx source has no torch weights to compare with)", None, eval_loss)
-    err = float((served - reference_logits(model, prompts)).abs().max())
+    err = float((served - reference_logits(model, prompts)).abs().max().to("cpu"))
     if not err <= tolerance:
         return GateReport(False, f"engine vs torch max abs logit error {err:.3g} > {tolerance:g}", err, eval_loss)
     return GateReport(True, f"engine vs torch max abs logit error {err:.3g} <= {tolerance:g}", err, eval_loss)

@@ -10,6 +10,7 @@ from typing import Any
 
 from crosstrain.checkpoint.resolve import Resolved, resolve_path
 from crosstrain.errors import ConfigError
+from crosstrain.plugins.export.placement import HOST, Placement, inference_placement
 from crosstrain.plugins.serve.gate import GateReport, check
 
 
@@ -48,6 +49,7 @@ class Version:
     context: int
     vocab: int
     gate: GateReport
+    placement: Placement = HOST  # where the engine computes (and the requests' sampling generators live)
     loaded_at: float = field(default_factory=time.time)
     codec: Codec = field(init=False)
 
@@ -57,7 +59,8 @@ class Version:
     def describe(self) -> dict[str, Any]:
         return {"version": self.number, "source": self.source, "step": self.step,
                 "params_sha256": self.params_sha256, "loaded_at": self.loaded_at, "engine": self.engine,
-                "context_length": self.context, "gate": self.gate.to_dict()}
+                "context_length": self.context, "backend": self.placement.backend,
+                "device": str(self.placement.device), "gate": self.gate.to_dict()}
 
 
 def _consolidated(resolved: Resolved) -> dict[str, Any]:
@@ -91,7 +94,8 @@ def load_version(source: str | Resolved, number: int, engine: str, max_batch: in
     # a checkpoint's hash is summary.json's: of the trained tensors (LoRA adapters unmerged), not the merged model
     sha = params_sha256(_consolidated(resolved) if resolved.kind == "checkpoint" else loaded.model.state_dict())
     step, run_dir = resolved.step, resolved.run_dir
-    model = loaded.model.eval()
+    placement = HOST if engine == "onnxruntime" else inference_placement()
+    model = loaded.model.to(placement.device).eval()  # a hot update loads onto the device the server runs on
     ort = None
     if engine == "onnxruntime":
         from crosstrain.plugins.export.onnx_export import export_onnx
@@ -105,5 +109,5 @@ def load_version(source: str | Resolved, number: int, engine: str, max_batch: in
         batch = ContinuousBatch(model, max_batch)
     gate = check(model, ort, run_dir, step)
     return Version(number, loaded.source, step, sha, engine, batch, loaded.tokenizer, model.config.max_seq_len,
-                   model.config.vocab_size, gate)
+                   model.config.vocab_size, gate, placement)
 
