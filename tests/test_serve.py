@@ -216,15 +216,20 @@ def test_watch_swaps_in_the_resumed_run_and_refuses_bad_checkpoints(served: dict
     assert log and all(status == 200 for status, _ in log), log
     assert {step for _, step in log} == {2, 4}
 
-    ckpts = run / "checkpoints"
-    shutil.copytree(ckpts / "step_4", ckpts / "step_6")
-    data = ckpts / "step_6" / "__0_0.distcp"
+    # each bad checkpoint is made beside the run and renamed in whole, as the trainer commits one: the watcher
+    # polling every 0.5 s must never see a half-copied folder (it would refuse that for its missing manifest)
+    ckpts, staging = run / "checkpoints", run.parent / "staging"
+    staging.mkdir()
+    shutil.copytree(ckpts / "step_4", staging / "step_6")
+    data = staging / "step_6" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    shutil.copytree(ckpts / "step_4", ckpts / "step_5")
-    with (run / "metrics.jsonl").open("a") as fh:
+    (staging / "step_6").rename(ckpts / "step_6")
+    with (run / "metrics.jsonl").open("a") as fh:  # recorded before its checkpoint appears
         fh.write('{"step": 5, "eval/loss": NaN}\n')
+    shutil.copytree(ckpts / "step_4", staging / "step_5")
+    (staging / "step_5").rename(ckpts / "step_5")
     health = lambda: httpx.get(f"{url}/health", timeout=30).json()  # noqa: E731
     assert _wait_for(lambda: sum(e["event"] == "refused" for e in health()["events"]) >= 2, 60)
     refused = {e["step"]: e["reason"] for e in health()["events"] if e["event"] == "refused"}
