@@ -18,6 +18,7 @@ graph task; the drain's own graph task holds no Python object, so whoever drops 
 from __future__ import annotations
 
 import atexit
+import time
 
 import torch
 
@@ -44,5 +45,9 @@ def _drain(device: torch.device) -> None:
         # the engine directly (not torch.autograd.backward): no Python object in the graph task's thread state
         _keep.extend(torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
             (out,), (seed,), False, False, (leaf,), True, False))
+        # the device thread drops the drain's own graph task (references to the drain's tensors) just after marking
+        # it complete; a moment without the GIL lets it finish that before finalization (measured: without this
+        # pause, 5 of 28 runs of a script that keeps the GIL (sys.setswitchinterval(30)) still aborted; with it 0 of 12)
+        time.sleep(0.01)
     except Exception:  # noqa: BLE001 - best effort at exit: a device that cannot run it has nothing to drain
         pass
