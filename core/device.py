@@ -190,9 +190,12 @@ class TorchModuleDevice(Device):
         return int(count()) if count is not None else 1
 
     def set_device(self, device: torch.device | int) -> None:
+        from crosstrain.autograd_exit import drain_at_exit
+
         fn = self._get("set_device")
         if fn is not None:
             fn(device)
+        drain_at_exit(device if isinstance(device, torch.device) else torch.device(self.type, device))
 
     def current_device(self) -> torch.device:
         fn = self._get("current_device")

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 from crosstrain.testing.matrix import pairwise
 from crosstrain.testing.matrix.docs import generated
@@ -76,10 +79,16 @@ def _known(cell, strict_only=False):
                  if applies(cell) and (strict or not strict_only)), None)
 
 
-def test_pairwise_matrix_trains_every_admitted_cell_like_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """The 1-process references (on cpu), run once for the cpu and the simdev pass of the pairwise matrix."""
+    return {}
+
+
+def test_pairwise_matrix_trains_every_admitted_cell_like_one_process(tmp_path, references):
     from crosstrain.testing.matrix import run_matrix
 
-    outcomes, result = run_matrix(full=False, out=str(tmp_path), log=False)
+    outcomes, result = run_matrix(full=False, out=str(tmp_path), log=False, references=references)
     ran = [o for o in outcomes if o.status != "refused"]
     unexpected = [f"{o.cell.label()}: {o.detail}" for o in ran if o.status == "failed" and not _known(o.cell)]
     fixed = [o.cell.label() for o in ran if o.status == "same" and _known(o.cell, strict_only=True)]
@@ -121,3 +130,29 @@ def test_a_stopped_run_resumes_with_only_the_cells_it_lacks(tmp_path):
     assert set(load_done(tmp_path)) == set(shard) and len((tmp_path / "cells.jsonl").read_text().splitlines()) \
         == len(shard)
     assert result["cells"] == len(shard) + len(plan(False)[1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="simdev's device memory is Linux memfd mappings")
+def test_pairwise_matrix_on_simdev_equals_one_process_on_the_host(tmp_path, references):
+    # every admitted cell of the pairwise cover with its ranks on simdev (a software device, not hardware: this
+    # proves the layouts never assume the host), compared with the same 1-process references on cpu
+    from crosstrain import registry
+    from crosstrain.testing.matrix import run_matrix
+
+    if not registry.get_backend("simdev").device().availability():
+        pytest.skip(registry.get_backend("simdev").device().availability().reason)
+    outcomes, result = run_matrix(full=False, out=str(tmp_path), log=False, backend="simdev", references=references,
+                                  keep=lambda cell: cell.layout not in SIMDEV_NOT_RUN)
+    ran = [o for o in outcomes if o.status != "refused"]
+    unexpected = [f"{o.cell.label()}: {o.detail}" for o in ran if o.status == "failed" and not _known(o.cell)]
+    assert not unexpected, "\n".join(unexpected)
+    assert result["backend"] == "simdev" and result["same"] >= 20
+    layouts = {o.cell.layout for o in ran if o.status == "same"}
+    assert layouts == {"1", "dp_replicate=2", "dp_shard=2", "tp=2", "ep=2", "dp_shard=2,tp=2"}
+
+
+#: layouts the simdev pass leaves out, with why (an open defect: the entry goes with its fix)
+SIMDEV_NOT_RUN = {
+    "pp=2": "simgloo's send/recv block until the transfer completes (backends/simdev/csrc/collective.cpp), so the "
+            "pipeline schedule's batched isend/irecv deadlock until gloo's 120 s timeout",
+}

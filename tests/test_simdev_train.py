@@ -21,9 +21,11 @@ COMMON = ["--set", "train.batch_size=4", "--set", "train.seq_len=32", "--set", "
           "--set", "optim.impl=torch", "--set", "checkpoint.every=3", "--set", f"train.steps={STEPS}"]
 
 
-#: a device capacity (SIMDEV_MEMORY_GB) the test model does not fit on one device (~3.7 MiB peak), but does with
-#: FSDP over two devices and activation checkpointing (~2.2 MiB per device)
-SMALL_DEVICE_GB = str(2.5 / 1024)
+#: a device capacity (SIMDEV_MEMORY_GB) half of what the test model needs on one device (3.56 MiB peak): it fits
+#: with FSDP over two devices, activation checkpointing and the optimizer state in host memory (1.56 MiB per
+#: device; without the offload it does not)
+SMALL_DEVICE_GB = str(1.75 / 1024)
+FITS = ("parallel.dp_shard=2", "parallel.activation_checkpoint=full", "optim.offload=true")
 
 
 def _launch(backend: str, run_dir: Path, *extra: str, memory_gb: str | None = None) -> subprocess.CompletedProcess:
@@ -78,13 +80,12 @@ def test_a_run_that_does_not_fit_one_device_is_one_line_naming_the_fix(tmp_path)
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("layout", [("parallel.dp_shard=2", "parallel.activation_checkpoint=full"),
-                                    ("parallel.tp=2",)])
-def test_two_process_layouts_on_simdev_equal_cpu(tmp_path, layout):
-    # FSDP2 (with activation checkpointing: then the run fits the small device) and tensor parallel on two
-    # processes, collectives staged through gloo (simgloo)
+@pytest.mark.parametrize("layout", [FITS, ("parallel.tp=2",)])
+def test_two_process_layouts_on_simdev_equal_cpu(straight, tmp_path, layout):
+    # FSDP2 (with activation checkpointing and optimizer offload: then the run fits the small device) and tensor
+    # parallel on two processes, collectives staged through gloo (simgloo)
     sets = [arg for key in layout for arg in ("--set", key)]
-    memory = SMALL_DEVICE_GB if "parallel.dp_shard=2" in layout else None
+    memory = SMALL_DEVICE_GB if layout == FITS else None
     runs = {b: _train(b, tmp_path / b, "--nproc", "2", *sets, "--set", "train.steps=3", "--set", "checkpoint.every=0",
                       memory_gb=memory if b == "simdev" else None) for b in ("cpu", "simdev")}
     assert runs["simdev"]["losses"] == pytest.approx(runs["cpu"]["losses"], rel=1e-6)
@@ -94,3 +95,4 @@ def test_two_process_layouts_on_simdev_equal_cpu(tmp_path, layout):
         assert capacity == int(float(memory) * 2**30)
         assert len(runs["simdev"]["peak_memory_bytes_per_rank"]) == 2
         assert all(0 < peak <= capacity for peak in runs["simdev"]["peak_memory_bytes_per_rank"])
+        assert straight["simdev"][1]["peak_memory_bytes"] > 1.9 * capacity  # the model needs ~2x one device

@@ -3,29 +3,67 @@
 Built at run time, not at install time: the extension compiles against torch's C++ headers, which pip's isolated
 build environment does not have (the CPU backend's install-time extensions use no torch headers for that reason).
 The first import in a fresh cache compiles it (about a minute on two cores, ``benchmarks/simdev_build.py``); every
-later process loads the cached library. torch rebuilds it when a source or flag changes and serialises concurrent
-builds (two ranks starting at once) with a lock file in the build folder.
+later process loads the cached library. The folder is keyed by a hash of the sources, and torch compiles the copy of
+the sources kept in it: two checkouts of the same sources share one build, and different sources (another branch,
+an edited runtime) get their own, instead of rebuilding one folder in turn (ninja rebuilds on any change of a
+source's path) under processes that have it loaded. torch serialises concurrent builds (two ranks starting at once)
+with a lock file in the build folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from types import ModuleType
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(HERE, "csrc")
 SOURCES = ("memory.cpp", "device.cpp", "ops.cpp", "autocast.cpp", "collective.cpp", "module.cpp")
 NAME = "crosstrain_simdev"
 
 
+def source_files() -> list[str]:
+    """The names of every source and header in csrc/ (what the build depends on)."""
+    return sorted(f for f in os.listdir(CSRC) if f.endswith((".cpp", ".h")))
+
+
+def source_key() -> str:
+    """12 hex digits of the sha256 over csrc/'s file names and contents."""
+    digest = hashlib.sha256()
+    for name in source_files():
+        with open(os.path.join(CSRC, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def cache_dir() -> str:
-    """``$CROSSTRAIN_SIMDEV_CACHE``, else ``$XDG_CACHE_HOME/crosstrain/simdev/torch-<version>``."""
+    """``$CROSSTRAIN_SIMDEV_CACHE``, else ``$XDG_CACHE_HOME/crosstrain/simdev/torch-<version>``, then the
+    sources' :func:`source_key`."""
     import torch
 
     explicit = os.environ.get("CROSSTRAIN_SIMDEV_CACHE", "").strip()
-    if explicit:
-        return explicit
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "crosstrain", "simdev", f"torch-{torch.__version__}")
+    root = explicit or os.path.join(base, "crosstrain", "simdev", f"torch-{torch.__version__}")
+    return os.path.join(root, source_key())
+
+
+def _copy_sources(folder: str) -> str:
+    """csrc/ copied into ``folder``/src (each file written whole, then renamed into place); returns that path."""
+    src = os.path.join(folder, "src")
+    os.makedirs(src, exist_ok=True)
+    for name in source_files():
+        target = os.path.join(src, name)
+        with open(os.path.join(CSRC, name), "rb") as f:
+            data = f.read()
+        if os.path.exists(target):
+            with open(target, "rb") as f:
+                if f.read() == data:
+                    continue
+        tmp = f"{target}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    return src
 
 
 def find_ninja() -> str | None:
@@ -48,10 +86,10 @@ def load(verbose: bool = False) -> ModuleType:
     find_ninja()
 
     folder = cache_dir()
-    os.makedirs(folder, exist_ok=True)
+    src = _copy_sources(folder)
     return cpp_extension.load(
         name=NAME,
-        sources=[os.path.join(HERE, "csrc", s) for s in SOURCES],
+        sources=[os.path.join(src, s) for s in SOURCES],
         extra_cflags=["-O2"],
         build_directory=folder,
         verbose=verbose,

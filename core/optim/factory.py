@@ -34,6 +34,21 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float,
     return out
 
 
+def split_by_tensor_kind(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group split into its DTensor and its plain-tensor parameters (same settings): torch's fused and foreach
+    steps take a group's tensors in one call, which refuses a mix ("got mixed torch.Tensor and DTensor"), as under
+    tp where the tensor-parallel plan leaves some parameters (MoE's) plain. Elementwise updates: the same step."""
+    from torch.distributed.tensor import DTensor
+
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        for is_dtensor in (True, False):
+            members = [p for p in group["params"] if isinstance(p, DTensor) == is_dtensor]
+            if members:
+                out.append({**group, "params": members})
+    return out
+
+
 def torch_hyper(optim_cfg: Any) -> dict[str, Any]:
     """The ``torch.optim`` keyword arguments of an ``[optim]`` section (weight decay is per group)."""
     if optim_cfg.name == "adamw":
@@ -70,7 +85,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg: Any, device
         opt: torch.optim.Optimizer = OffloadOptimizer(params, optim_cfg, device, reference=impl == "torch")
         opt.crosstrain_impl = "offload-reference" if impl == "torch" else "offload"  # type: ignore[attr-defined]
         return opt
-    groups = param_groups(params, optim_cfg.weight_decay, lr_scales)
+    groups = split_by_tensor_kind(param_groups(params, optim_cfg.weight_decay, lr_scales))
     hyper = torch_hyper(optim_cfg)
     for group in groups:
         if "lr_scale" in group:

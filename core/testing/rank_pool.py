@@ -5,7 +5,8 @@ that each call of :func:`crosstrain.testing.multiprocess.run_ranks` pays.
 The ranks start on first use and run one call at a time: ``fn(collective, *args)`` on every rank, results in rank
 order, a rank's exception re-raised here with its traceback. After a failure or a timeout the ranks are killed
 (one may be blocked in a collective its peer never joins) and the next call starts fresh ones. Each call gets the
-settings run_ranks gives (one thread, the cpu backend active); what a call leaves behind in the process (meshes,
+settings run_ranks gives (one thread, the cpu backend active, or the pool's ``backend``, whose collective the
+ranks' process group then is); what a call leaves behind in the process (meshes,
 caches) is what a second Trainer in one process sees, as under the CLI's launcher. Ranks that have grown past
 ``max_rss_bytes`` after a call are replaced before the next, so memory stays bounded. A function that leaves the
 process group unusable on purpose (a rank that never joins a collective) needs ranks of its own: run_ranks.
@@ -24,7 +25,7 @@ import torch.multiprocessing as mp
 MAX_RSS_BYTES = 1 << 30
 
 
-def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, backend: str = "cpu") -> None:
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -34,7 +35,7 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
 
         from crosstrain import registry
 
-        collective = registry.set_active_backend("cpu").collective()
+        collective = registry.set_active_backend(backend).collective()
         collective.init(timeout=120)
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, None, False, traceback.format_exc()))
@@ -43,7 +44,7 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
         seq, fn, args = tasks.get()
         try:
             torch.set_num_threads(1)
-            registry.set_active_backend("cpu")
+            registry.set_active_backend(backend)
             result = fn(collective, *args)
             gc.collect()
             results.put((rank, seq, True, (result, _rss_bytes())))
@@ -62,8 +63,9 @@ def _rss_bytes() -> int:
 class RankPool:
     """``world_size`` ranks kept between calls (see the module docstring)."""
 
-    def __init__(self, world_size: int, max_rss_bytes: int = MAX_RSS_BYTES) -> None:
+    def __init__(self, world_size: int, max_rss_bytes: int = MAX_RSS_BYTES, backend: str = "cpu") -> None:
         self.world_size = world_size
+        self.backend = backend
         self.max_rss_bytes = max_rss_bytes
         self._ranks: dict[str, Any] | None = None
 
@@ -74,8 +76,8 @@ class RankPool:
         tasks = [ctx.Queue() for _ in range(self.world_size)]
         results = ctx.Queue()
         port = free_port()
-        procs = [ctx.Process(target=_serve, args=(r, self.world_size, port, tasks[r], results), daemon=True)
-                 for r in range(self.world_size)]
+        procs = [ctx.Process(target=_serve, args=(r, self.world_size, port, tasks[r], results, self.backend),
+                             daemon=True) for r in range(self.world_size)]
         for p in procs:
             p.start()
         return {"procs": procs, "tasks": tasks, "results": results, "seq": 0}

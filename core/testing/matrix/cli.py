@@ -11,8 +11,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from crosstrain.testing.matrix.factors import Cell
 from crosstrain.testing.matrix.report import load_done, record, summary, table, write
 from crosstrain.testing.matrix.runner import Outcome, Runner
 
@@ -26,13 +28,17 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def run_matrix(full: bool = False, out: str | None = None, log: bool = True, shard: tuple[int, int] = (1, 1),
-               resume: bool = False) -> tuple[list[Outcome], dict]:
-    """Plan and run the matrix (or shard ``K/N`` of it; with ``resume``, only the cells ``OUT/cells.jsonl`` lacks);
-    returns every outcome (admitted cells, then refused ones) and the summary."""
+               resume: bool = False, backend: str = "cpu", references: dict | None = None,
+               keep: Callable[[Cell], bool] | None = None) -> tuple[list[Outcome], dict]:
+    """Plan and run the matrix (or shard ``K/N`` of it; with ``resume``, only the cells ``OUT/cells.jsonl`` lacks)
+    with the cells on ``backend`` (the references on cpu; ``references`` shares them between calls, see
+    :class:`Runner`); ``keep`` leaves out the admitted cells it returns False for. Returns every outcome (admitted
+    cells, then refused ones) and the summary."""
     from crosstrain.testing.matrix.plan import plan, refusal
 
     start = time.monotonic()
     cells, refused = plan(full)
+    cells = [c for c in cells if keep is None or keep(c)]
     k, n = shard
     order = sorted(cells, key=lambda c: c.world)[k - 1::n]
     done = load_done(out) if (resume and out) else {}
@@ -40,9 +46,10 @@ def run_matrix(full: bool = False, out: str | None = None, log: bool = True, sha
         Path(out, "cells.jsonl").unlink(missing_ok=True)
     todo = [c for c in order if c not in done]
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if log else (lambda line: None)
-    say(f"matrix: {len(cells)} admitted cells, {len(refused)} refusals ({'full' if full else 'pairwise'}); "
-        f"shard {k}/{n}: {len(order)} cells, {len(order) - len(todo)} already in {out}/cells.jsonl")
-    runner = Runner()
+    say(f"matrix: {len(cells)} admitted cells on {backend}, {len(refused)} refusals "
+        f"({'full' if full else 'pairwise'}); shard {k}/{n}: {len(order)} cells, {len(order) - len(todo)} already "
+        f"in {out}/cells.jsonl")
+    runner = Runner(backend=backend, references=references)
     try:
         for cell in todo:  # in this process, before any pool holds the cores
             runner.reference(cell)
@@ -54,7 +61,7 @@ def run_matrix(full: bool = False, out: str | None = None, log: bool = True, sha
     finally:
         runner.close()
     outcomes = [done[c] for c in order] + [Outcome(c, "refused", refusal(c) or "") for c in refused]
-    result = summary(outcomes, time.monotonic() - start)
+    result = {"backend": backend, **summary(outcomes, time.monotonic() - start)}
     if out:
         write(out, outcomes, result)
     return outcomes, result
@@ -66,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "refused in one line (docs/parallelism.md)")
     p.add_argument("--full", action="store_true", help="every admitted combination of the factors the refusal "
                    "rules read (the others pairwise) instead of a pairwise cover")
+    p.add_argument("--backend", default="cpu", help="the backend the cells run on; the 1-process references run "
+                   "on cpu (default cpu)")
     p.add_argument("--out", default="matrix-out", help="folder for matrix.json, matrix.txt and cells.jsonl")
     p.add_argument("--shard", default="1/1", metavar="K/N", help="run every N-th cell, starting at the K-th "
                    "(1-based), of the plan's run order")
@@ -78,12 +87,17 @@ def main(argv: list[str] | None = None) -> int:
 
         write_docs(args.write_docs)
         return 0
+    from crosstrain import registry
+
+    if args.backend not in registry.backends():
+        p.exit(2, f"{p.prog}: error: unknown backend {args.backend!r}; pass --backend as one of "
+                  f"{', '.join(sorted(registry.backends()))} (crosstrain backends lists them)\n")
     try:
         shard = parse_shard(args.shard)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    outcomes, result = run_matrix(args.full, args.out, shard=shard, resume=args.resume)
+    outcomes, result = run_matrix(args.full, args.out, shard=shard, resume=args.resume, backend=args.backend)
     print(table(outcomes))
     print(json.dumps({k: result[k] for k in ("cells", "same", "refused", "failed", "failed_cells")}))
     return 1 if result["failed"] else 0

@@ -97,9 +97,10 @@ class Cell:
     def dp(self) -> int:
         return LAYOUTS[self.layout][1]
 
-    def overrides(self) -> list[str]:
-        """The ``--set`` items of this cell (``BASE`` first)."""
-        out = [*BASE, f"train.recipe={self.recipe}", *LAYOUTS[self.layout][2], f"optim.impl={self.optim}",
+    def overrides(self, backend: str = "cpu") -> list[str]:
+        """The ``--set`` items of this cell (``BASE`` first) on ``backend``."""
+        base = [item if item != "backend=cpu" else f"backend={backend}" for item in BASE]
+        out = [*base, f"train.recipe={self.recipe}", *LAYOUTS[self.layout][2], f"optim.impl={self.optim}",
                f"kernels.mode={self.kernels}", f"data.packing={self.packing}", f"precision.dtype={self.precision}",
                f"train.grad_accum={self.grad_accum}"]
         moe = {"on": MOE_ON, "pooled": MOE_POOLED}.get(self.moe, ())

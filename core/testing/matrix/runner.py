@@ -4,7 +4,8 @@ References run in this process, one per distinct reference config (a cell's conf
 2 and 4 processes run on long-lived rank pools (:class:`crosstrain.testing.rank_pool.RankPool`), each a
 ``Trainer`` in the pool's process group, so a cell costs its training steps, not a fresh ``crosstrain train``.
 A 1-process cell is a second run of its reference config in this process (a Trainer must not depend on what an
-earlier one left behind).
+earlier one left behind). References always run on the host (``cpu``); the cells run on the runner's ``backend``,
+so on another device type each cell shows that the layout on the device equals the single process on the host.
 """
 
 from __future__ import annotations
@@ -107,9 +108,12 @@ def compare(got: Logged, ref: Logged, precision: str, qat: bool = False) -> tupl
 class Runner:
     """Runs cells; keeps the references' logged metrics and the rank pools between cells."""
 
-    def __init__(self, work: str | Path | None = None) -> None:
+    def __init__(self, work: str | Path | None = None, backend: str = "cpu",
+                 references: dict[Cell, Logged | str] | None = None) -> None:
         self.work = Path(work or tempfile.mkdtemp(prefix="crosstrain-matrix-"))
-        self.references: dict[Cell, Logged | str] = {}
+        self.backend = backend
+        #: reference config -> logged metrics; pass one dict to several runners to run each reference once
+        self.references: dict[Cell, Logged | str] = {} if references is None else references
         self.pools: dict[int, Any] = {}
         self._n = 0
 
@@ -130,18 +134,22 @@ class Runner:
         return self.references[key]
 
     def _train(self, cell: Cell) -> Logged:
-        if cell.world == 1:
+        # another device type's 1-process cells run in a 1-rank pool: torch's autograd engine sizes its device
+        # threads at this process's first backward (a reference's, on cpu), so a device type registered after it
+        # cannot run a backward here
+        if cell.world == 1 and self.backend == "cpu":
             run_dir = self._run_dir()
             try:
-                return train(cell.overrides(), run_dir)
+                return train(cell.overrides(self.backend), run_dir)
             finally:
                 shutil.rmtree(run_dir, ignore_errors=True)
         from crosstrain.testing.rank_pool import RankPool
 
         for world in [w for w in self.pools if w != cell.world]:  # one pool at a time: 2 cores
             self.pools.pop(world).close()
-        pool = self.pools.setdefault(cell.world, RankPool(cell.world))
-        return dict(pool.run(train_on_rank, cell.overrides(), self._run_dir(), timeout=CELL_TIMEOUT_S)[0])
+        pool = self.pools.setdefault(cell.world, RankPool(cell.world, backend=self.backend))
+        overrides = cell.overrides(self.backend)
+        return dict(pool.run(train_on_rank, overrides, self._run_dir(), timeout=CELL_TIMEOUT_S)[0])
 
     def run(self, cell: Cell) -> Outcome:
         ref = self.reference(cell)
