@@ -83,10 +83,12 @@ def test_a_run_that_does_not_fit_one_device_is_one_line_naming_the_fix(tmp_path)
 EP_MOE = ("parallel.dp_shard=2", "parallel.ep=2", "moe.experts=4")
 
 
-@pytest.mark.parametrize("layout", [FITS, ("parallel.tp=2",), EP_MOE], ids=["fsdp_fits", "tp", "ep_moe"])
+@pytest.mark.parametrize("layout", [FITS, ("parallel.tp=2",), ("parallel.pp=2",), EP_MOE],
+                         ids=["fsdp_fits", "tp", "pp", "ep_moe"])
 def test_two_process_layouts_on_simdev_equal_cpu(straight, tmp_path, layout):
     # FSDP2 (with activation checkpointing and optimizer offload: then the run fits the small device), tensor
-    # parallel and expert parallel (MoE, all_to_all) on two processes, collectives staged through gloo (simgloo)
+    # parallel, pipeline parallel (stages exchange activations by simgloo's posted send/recv) and expert parallel
+    # (MoE, all_to_all) on two processes, collectives staged through gloo (simgloo)
     sets = [arg for key in layout for arg in ("--set", key)]
     memory = SMALL_DEVICE_GB if layout == FITS else None
     runs = {b: _train(b, tmp_path / b, "--nproc", "2", *sets, "--set", "train.steps=3", "--set", "checkpoint.every=0",

@@ -3,7 +3,10 @@
 // torch.distributed.Backend "simgloo" for device "simdev", so init_process_group("cpu:gloo,simdev:simgloo") works.
 #include "collective.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
+
+#include <mutex>
 
 namespace simdev {
 namespace {
@@ -49,6 +52,60 @@ void back(Tensors& dst, const Tensors& src) {
 
 void back(std::vector<Tensors>& dst, const std::vector<Tensors>& src) {
   for (size_t i = 0; i < dst.size(); ++i) back(dst[i], src[i]);
+}
+
+// Work of a posted point-to-point op. The host buffers stay alive until gloo's transfer completes; wait() waits on
+// gloo's work and then copies a receive's host buffers onto the device. Posting and waiting are apart because
+// torch's pipeline schedules post a batch of sends and receives (batch_isend_irecv) before waiting on any: a send
+// that blocked until its peer received would wait on a peer that blocks in its own send.
+class StagedWork final : public Work {
+ public:
+  StagedWork(c10d::OpType type, c10::intrusive_ptr<Work> host_work, Tensors host, Tensors device)
+      : Work(-1, type),
+        host_work_(std::move(host_work)),
+        host_(std::move(host)),
+        device_(std::move(device)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return finished_;
+  }
+  bool isSuccess() const override { return host_work_->isSuccess(); }
+  int sourceRank() const override { return host_work_->sourceRank(); }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!finished_) {
+      host_work_->wait(timeout);  // rethrows gloo's error or timeout
+      // the copy is the transfer's write, not an op of the graph: the pipeline stage marks its receive buffer
+      // requires_grad between posting the receive and waiting on it (gloo on the host writes such a buffer directly)
+      at::NoGradGuard no_grad;
+      back(device_, host_);
+      finished_ = true;
+      future_->markCompleted(c10::IValue(device_));
+    }
+    return true;
+  }
+
+  // completed by wait(): the copy onto the device runs on the waiting thread, not on one of gloo's
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<Work> host_work_;
+  Tensors host_;
+  Tensors device_;  // empty for a send: nothing comes back
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex mutex_;
+  bool finished_ = false;
+};
+
+// host buffers shaped like `ts`, left unfilled (a receive overwrites them)
+Tensors host_like(const Tensors& ts) {
+  Tensors out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(at::empty(t.sizes(), t.options().device(at::kCPU)));
+  return out;
 }
 
 c10::intrusive_ptr<Work> done(c10d::OpType type, Tensors outputs = {}) {
@@ -226,22 +283,20 @@ c10::intrusive_ptr<Work> StagingBackend::alltoall(Tensors& outputs, Tensors& inp
 
 c10::intrusive_ptr<Work> StagingBackend::send(Tensors& tensors, int dst, int tag) {
   auto h = to_host(tensors);
-  run(host_->send(h, dst, tag));
-  return done(c10d::OpType::SEND);
+  auto work = host_->send(h, dst, tag);
+  return c10::make_intrusive<StagedWork>(c10d::OpType::SEND, std::move(work), std::move(h), Tensors{});
 }
 
 c10::intrusive_ptr<Work> StagingBackend::recv(Tensors& tensors, int src, int tag) {
-  auto h = to_host(tensors);
-  run(host_->recv(h, src, tag));
-  back(tensors, h);
-  return done(c10d::OpType::RECV, tensors);
+  auto h = host_like(tensors);
+  auto work = host_->recv(h, src, tag);
+  return c10::make_intrusive<StagedWork>(c10d::OpType::RECV, std::move(work), std::move(h), tensors);
 }
 
 c10::intrusive_ptr<Work> StagingBackend::recvAnysource(Tensors& tensors, int tag) {
-  auto h = to_host(tensors);
-  run(host_->recvAnysource(h, tag));
-  back(tensors, h);
-  return done(c10d::OpType::RECVANYSOURCE, tensors);
+  auto h = host_like(tensors);
+  auto work = host_->recvAnysource(h, tag);
+  return c10::make_intrusive<StagedWork>(c10d::OpType::RECVANYSOURCE, std::move(work), std::move(h), tensors);
 }
 
 c10::intrusive_ptr<Work> StagingBackend::barrier(const c10d::BarrierOptions& opts) {

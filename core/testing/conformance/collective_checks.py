@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from crosstrain.collective import Collective
 from crosstrain.errors import CollectiveError
@@ -74,6 +75,16 @@ def check_all(c: Collective) -> dict[str, Any]:
             buf = torch.zeros(1, device=dev)
             c.recv(buf, src=0)
             out["recv"] = buf.cpu().tolist()
+        if r < 2:
+            # both post a send and a receive before waiting on either (a pipeline schedule's batch_isend_irecv): a
+            # send that blocked until its peer received would wait on a peer blocked in its own send
+            peer = 1 - r
+            got = torch.zeros(3, device=dev)
+            ops = [dist.P2POp(dist.isend, torch.full((3,), float(r + 7), device=dev), peer),
+                   dist.P2POp(dist.irecv, got, peer)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            out["exchange"] = got.cpu().tolist()
     c.barrier()
     out["objects"] = c.all_gather_object({"rank": r})
     mesh = c.mesh({"dp_shard": w})

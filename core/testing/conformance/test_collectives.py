@@ -57,6 +57,7 @@ def test_all_to_all_uneven(observed):
 def test_async_send_recv_barrier_objects(observed):
     assert all(o["async_ok"] for o in observed)
     assert observed[1]["recv"] == [42.0]
+    assert observed[0]["exchange"] == [8.0] * 3 and observed[1]["exchange"] == [7.0] * 3
     assert all(o["objects"] == [{"rank": 0}, {"rank": 1}] for o in observed)
 
 
