@@ -117,9 +117,12 @@ def prepare(settings: SearchSettings, params: list[Param], name: str, *, sets: l
                   describe(settings, params, base), storage is not None)
 
 
-def run(search: Search, log: Any = sys.stderr) -> dict[str, Any]:
-    """Run the search to N trials in the study; returns the result line's fields."""
+def run(search: Search, log: Any = None) -> dict[str, Any]:
+    """Run the search to N trials in the study (progress lines to ``log``, default the current ``sys.stderr``);
+    returns the result line's fields."""
     import optuna
+
+    log = sys.stderr if log is None else log  # looked up per call: a default argument would keep the stderr of import
 
     from crosstrain.plugins.tune.study import load_study, open_storage
 
