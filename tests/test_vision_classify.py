@@ -95,6 +95,20 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(reference, tmp_path) ->
     assert resumed["params_sha256"] == ref["params_sha256"]
 
 
+def test_killed_run_with_batched_affine_augmentation_resumes_to_the_uninterrupted_weights(tmp_path) -> None:
+    """``RandomAffine`` (applied to each batch at once, per-sample seeds: plugins/vision/data/batched.py): a run
+    SIGKILLed after its step-50 checkpoint and resumed ends with the uninterrupted run's weights."""
+    sets = ["logging.progress=none", "backend=cpu", "train.steps=150", "checkpoint.every=50", "eval.every=0",
+            'vision.augment=[{name = "RandomAffine", degrees = 10, translate = [0.1, 0.1]}]']
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    assert crosstrain_main(_argv(ref, *sets)) == 0
+    sigkill_after_checkpoint([sys.executable, "-m", "crosstrain", *_argv(run, *sets)], run, 50, _env(), timeout_s=600)
+    assert crosstrain_main(_argv(run, *sets)) == 0
+    resumed, uninterrupted = (json.loads((r / "summary.json").read_text()) for r in (run, ref))
+    assert resumed["steps"] == 150 and resumed["steps_this_run"] < 150
+    assert resumed["params_sha256"] == uninterrupted["params_sha256"]
+
+
 def test_crosstrain_eval_of_the_run_reports_what_training_reported(reference, capsys) -> None:
     capsys.readouterr()
     assert crosstrain_main(["eval", str(reference), "--json", "--set", "eval.max_batches=0"]) == 0

@@ -28,6 +28,7 @@ from crosstrain.plugins.vision.data.augment import (
     sample_seed,
     seeded,
 )
+from crosstrain.plugins.vision.data.batched import augment_batch, split_affine_tail
 from crosstrain.plugins.vision.data.mix import Mix
 from crosstrain.plugins.vision.data.sources import Source
 
@@ -49,9 +50,10 @@ class SampleMaker:
     num_classes: int
     mix: Mix = field(default_factory=Mix)
     _transform: Any = field(default=None, repr=False)
+    _tail: Any = field(default=None, repr=False)  # (prefix, trailing RandomAffine steps) or False: :mod:`.batched`
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_transform": None}
+        return {**self.__dict__, "_transform": None, "_tail": None}
 
     @property
     def transform(self) -> Any:
@@ -74,6 +76,18 @@ class SampleMaker:
         """The images of ``indices`` through the (seed-free) transform, as one batch."""
         batch = self.transform(self.source.load_many(indices)) if self.image_size else self.source.load_many(indices)
         return normalize(batch, self.mean, self.std)
+
+    def many(self, items: list[tuple[int, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``[self(*item) for item in items]``; without mixing, an augmentation that ends with ``RandomAffine`` steps
+        applies them to the items at once (:mod:`.batched`: the same pixels)."""
+        if self._tail is None:
+            self._tail = (self.augment is not None and not self.mix.on and split_affine_tail(self.transform)) or False
+        if not self._tail or len(items) < 2:
+            return [self(*item) for item in items]
+        prefix, affines = self._tail
+        images = [self.source.load(i) for _, _, i in items]
+        seeds = [sample_seed(self.seed, epoch, k, AUGMENT) for epoch, k, _ in items]
+        return [(x, None) for x in augment_batch(prefix, affines, images, seeds)]
 
     def __call__(self, epoch: int, k: int, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         image = self.image(i, sample_seed(self.seed, epoch, k, AUGMENT))
@@ -102,12 +116,12 @@ def _init_worker(maker: SampleMaker) -> None:
 
 def _make(items: list[tuple[int, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     assert _WORKER is not None
-    return [_WORKER(*item) for item in items]
+    return _WORKER.many(items)
 
 
 def _make_here(maker: SampleMaker, items: list[tuple[int, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     with rng_restored():
-        return [maker(*item) for item in items]
+        return maker.many(items)
 
 
 class ImageDataset:
