@@ -4,8 +4,12 @@
    368 held-out images), the same augmentation (``RandomAffine(10 deg, 10% shift)`` through transforms.v2), batch 16,
    AdamW (lr 3e-3, weight decay 0.1 on matrices), 20 warmup steps then cosine to 0.1x, gradient clipping at 1.0,
    one thread each. The plain loop is what one writes by hand: a ``Dataset`` applying the transform per sample, a
-   shuffling ``DataLoader``, ``LambdaLR``. Each runs ``--seeds`` seeds, alternating ABBA; a step's time is the wall
-   time between the ends of consecutive steps (everything done per step counts), images/s = batch / median step.
+   shuffling ``DataLoader``, ``LambdaLR``. What differs: crosstrain applies the trailing ``RandomAffine`` to each
+   batch at once (each image's own seeded parameters, the per-sample pixels bit for bit: docs/vision.md); the plain
+   loop calls the v2 transform per sample, as one writes it (``--per-sample-affine`` gives crosstrain the per-sample
+   path too, to measure the rest of its step alone). Neither has worker processes. Each runs ``--seeds`` seeds,
+   alternating ABBA; a step's time is the wall time between the ends of consecutive steps (everything done per step
+   counts), images/s = batch / median step.
    The same intervals are also read on the process's CPU clock (``time.process_time``: every thread of the
    process, nothing of the other jobs on a shared host), whose ratio a loaded machine does not swing.
 2. **Imbalance.** A 1000:1 split of the digits, written as an ImageFolder root: one training image of the minority
@@ -17,7 +21,7 @@ Last line: JSON with ``accuracy_gap_points`` (|crosstrain - plain| mean held-out
 ``images_per_s_ratio`` (crosstrain / plain, wall clock), ``images_per_s_ratio_cpu`` (CPU clock) and
 ``minority_recall_gain`` (balanced+focal - plain CE).
 
-    python benchmarks/vision.py [--steps 400] [--seeds 3] [--minority 3] [--skip-imbalance]
+    python benchmarks/vision.py [--steps 400] [--seeds 3] [--minority 3] [--skip-imbalance] [--per-sample-affine]
 """
 
 from __future__ import annotations
@@ -164,7 +168,13 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--minority", type=int, default=3, help="the digit that is rare (chosen before measuring)")
     p.add_argument("--skip-imbalance", action="store_true")
+    p.add_argument("--per-sample-affine", action="store_true",
+                   help="crosstrain without its batch RandomAffine kernel (the v2 call per sample, as the plain loop)")
     args = p.parse_args()
+    if args.per_sample_affine:
+        import crosstrain.plugins.vision.data.dataset as dataset
+
+        dataset.split_affine_tail = lambda transform: None  # nothing batched: the v2 call per sample
     seeds = list(range(args.seeds))
     runs = alternate(["crosstrain", "plain"], args.seeds,
                      lambda name, r: (run_crosstrain if name == "crosstrain" else run_plain)(args.steps, seeds[r]))
@@ -172,7 +182,8 @@ def main() -> None:
     step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
     cpu = {k: statistics.median(r["cpu_s"] for r in v) for k, v in runs.items()}
     out: dict[str, Any] = {
-        "settings": {**SETTINGS, "steps": args.steps, "seeds": seeds, "augment": AUGMENT, "threads": 1},
+        "settings": {**SETTINGS, "steps": args.steps, "seeds": seeds, "augment": AUGMENT, "threads": 1,
+                     "crosstrain_affine": "per sample" if args.per_sample_affine else "batched"},
         "held_out_top1": top1, "held_out_top1_per_seed": {k: [r["top1"] for r in v] for k, v in runs.items()},
         "images_per_s": {k: SETTINGS["batch_size"] / s for k, s in step.items()},
         "accuracy_gap_points": abs(top1["crosstrain"] - top1["plain"]) * 100,
