@@ -7,8 +7,8 @@ them. The images then go through torchvision's affine kernel once per step: the 
 ``affine_image`` builds it, the grids of all images in one ``bmm`` (the same product torchvision's ``_affine_grid``
 takes for one), and one ``grid_sample`` with the fill mask (torchvision's ``_apply_grid_transform``). ``grid_sample``
 computes each output pixel from its own grid point alone, so a batch gives each image's pixels bit for bit
-(tests/test_vision_parts.py checks it against the v2 transform). The per-sample v2 calls cost ~0.1 ms of Python an
-image, more than a small CNN's step on 8x8 digits spends on everything else per image.
+(tests/test_vision_parts.py checks it against the v2 transform). The per-sample v2 call is ~0.12 ms of Python an
+image: ~1.9 ms of a 16-image step of the digits CNN, ~0.6 ms batched (docs/vision.md).
 
 Where torchvision's private kernel helpers are missing (another version), nothing is batched.
 """
