@@ -245,6 +245,19 @@ class Collective:
         return torch.device("cpu") if self.device.type == "cpu" else self.device.current_device()
 
 
+def global_sums(values: torch.Tensor, copies: int = 1) -> torch.Tensor:
+    """``values`` summed over every rank (one all-reduce, in float64), divided by ``copies``: the number of ranks
+    that hold the same data (tensor/pipeline-parallel peers), so the result is the sum over data-parallel ranks.
+    Without a process group (or in a group of one) it is ``values / copies``."""
+    out = values.detach().double().clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        backend_device = out.device if dist.get_backend() != "gloo" else torch.device("cpu")
+        moved = out.to(backend_device)
+        dist.all_reduce(moved)
+        out = moved.to(values.device)
+    return out / copies
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (for tests and the single-node launcher)."""
     import socket

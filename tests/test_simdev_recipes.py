@@ -9,27 +9,17 @@ tests/test_simdev_train.py."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from crosstrain import registry
+from simdev_env import crosstrain_on, needs_simdev
 
 BACKENDS = ("cpu", "simdev")
 
 
-def _simdev_problem() -> str | None:
-    if sys.platform != "linux":
-        return "simdev's device memory is Linux memfd mappings"
-    avail = registry.get_backend("simdev").availability()
-    return None if avail else f"simdev cannot be built here: {avail.reason}"
-
-
-pytestmark = pytest.mark.skipif(_simdev_problem() is not None, reason=str(_simdev_problem()))
+pytestmark = needs_simdev
 
 COMMON = ["model.n_layers=1", "model.dim=32", "model.n_heads=2", "train.batch_size=4", "train.seq_len=32",
           "train.steps=3", "eval.every=3", "eval.max_batches=1", "eval.batch_size=4", "checkpoint.every=0",
@@ -48,15 +38,9 @@ CASES = {
 }
 
 
-def _env(backend: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    return dict(env, CROSSTRAIN_BACKEND=backend, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 def _both(argv_for: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
     """One ``crosstrain`` process per backend, side by side (the pair shares the machine's two cores)."""
-    procs = {b: subprocess.Popen([sys.executable, "-m", "crosstrain", *argv], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=_env(b)) for b, argv in argv_for.items()}
+    procs = {b: crosstrain_on(b, argv) for b, argv in argv_for.items()}
     done = {}
     for b, proc in procs.items():
         out, err = proc.communicate(timeout=600)

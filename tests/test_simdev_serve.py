@@ -7,42 +7,22 @@ assume the host, not anything about a chip."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-
-from crosstrain import registry
+from simdev_env import crosstrain_on, needs_simdev
 
 BACKENDS = ("cpu", "simdev")
 DEVICES = {"cpu": "cpu", "simdev": "simdev:0"}
 SAMPLED = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 7}
 
 
-def _simdev_problem() -> str | None:
-    if sys.platform != "linux":
-        return "simdev's device memory is Linux memfd mappings"
-    avail = registry.get_backend("simdev").availability()
-    return None if avail else f"simdev cannot be built here: {avail.reason}"
-
-
-pytestmark = pytest.mark.skipif(_simdev_problem() is not None, reason=str(_simdev_problem()))
-
-
-def _env(backend: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    return dict(env, CROSSTRAIN_BACKEND=backend, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _crosstrain(argv: list[str], backend: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "crosstrain", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(backend))
+pytestmark = needs_simdev
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +32,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     keys = ["model.n_layers=1", "model.dim=32", "model.n_heads=2", "train.batch_size=4", "train.seq_len=32",
             "train.steps=2", "eval.every=0", "checkpoint.every=0", "logging.progress=none",
             "logging.tensorboard=false", "precision.dtype=fp32", "kernels.mode=reference", "optim.impl=torch"]
-    proc = _crosstrain(["train", "--run-dir", str(run), *[a for k in keys for a in ("--set", k)]], "cpu")
+    proc = crosstrain_on("cpu", ["train", "--run-dir", str(run), *[a for k in keys for a in ("--set", k)]])
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     return run
@@ -61,7 +41,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _generate_both(run: Path, extra: list[str]) -> dict[str, dict]:
     """``crosstrain generate --json`` once per backend, side by side."""
     argv = ["generate", str(run), "--prompt", "Hello", "--max-new-tokens", "12", "--json", *extra]
-    procs = {b: _crosstrain(argv, b) for b in BACKENDS}
+    procs = {b: crosstrain_on(b, argv) for b in BACKENDS}
     out = {}
     for b, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
@@ -84,7 +64,7 @@ def test_generate_on_simdev_equals_cpu(run: Path, mode: str) -> None:
 @pytest.fixture(scope="module")
 def servers(run: Path) -> Iterator[dict[str, str]]:
     """``crosstrain serve`` (torch engine) on each backend, on free ports: backend -> base URL."""
-    procs = {b: _crosstrain(["serve", str(run), "--port", "0", "--threads", "1", "--shutdown-grace-s", "1"], b)
+    procs = {b: crosstrain_on(b, ["serve", str(run), "--port", "0", "--threads", "1", "--shutdown-grace-s", "1"])
              for b in BACKENDS}
     try:
         urls = {}

@@ -169,8 +169,8 @@ class SFTRecipe(RLHFRecipe):
             return micro_batches
         import torch.distributed as dist
 
+        from crosstrain.collective import global_sums
         from crosstrain.parallel import dp_rank_and_size
-        from crosstrain.plugins.rlhf.rl.aggregate import global_sums
 
         _, dp = dp_rank_and_size(context.mesh, context.dims)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -11,9 +11,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
 
 from crosstrain.plugins.serve import replies
+from crosstrain.plugins.serve.handlers import add_error_handlers
 from crosstrain.plugins.serve.logprobs import chat_logprobs
 from crosstrain.plugins.serve.manager import ModelManager
 from crosstrain.plugins.serve.metrics import ServeMetrics
@@ -34,14 +34,7 @@ class Served:
 
 def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="crosstrain serve", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+    add_error_handlers(app)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

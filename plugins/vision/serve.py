@@ -1,27 +1,21 @@
 """``crosstrain serve`` on an image run: the version being served and, with ``--watch``, the poller that loads each
-newer verified checkpoint of the run (``--best``: each new best), gates it and swaps it in, as the language-model
-server's :class:`~crosstrain.plugins.serve.manager.ModelManager` does (same events, same verification). The gate:
-finite outputs on a fixed input, and a finite eval loss where the run recorded one for that step."""
+newer verified checkpoint of the run (``--best``: each new best), gates it and swaps it in: the language-model
+server's :class:`~crosstrain.plugins.serve.watch.Watcher` (same events, same verification). The gate: finite
+outputs on a fixed input, and a finite eval loss where the run recorded one for that step."""
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from crosstrain.checkpoint.manager import find_best, step_dirs
 from crosstrain.checkpoint.resolve import Resolved
-from crosstrain.checkpoint.verify import verify
-from crosstrain.errors import CheckpointError, CrosstrainError
+from crosstrain.plugins.serve.watch import Watcher
 from crosstrain.plugins.vision.load import ImageModel, load_image_model
 
 
@@ -31,6 +25,18 @@ class ImageVersion:
     model: ImageModel
     gate: dict[str, Any]
     loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def step(self) -> int | None:
+        return self.model.step
+
+    @property
+    def source(self) -> str:
+        return self.model.source
+
+    @property
+    def params_sha256(self) -> str:
+        return self.model.params_sha256
 
     def describe(self) -> dict[str, Any]:
         m = self.model
@@ -62,85 +68,22 @@ def gate(model: ImageModel) -> dict[str, Any]:
             "eval_loss": loss}
 
 
-class ImageManager:
+class ImageManager(Watcher[ImageVersion]):
     """Holds the serving :class:`ImageVersion`; ``events`` keeps the last loads, swaps and refusals (also printed
     to stderr as ``crosstrain serve: {json}`` lines, as the language-model server prints them)."""
 
     def __init__(self, source: str, *, watch: bool, best: bool, poll_s: float) -> None:
-        self.best, self.poll_s = best, poll_s
-        self.events: deque[dict[str, Any]] = deque(maxlen=50)
-        self._tried: set[tuple[int, str]] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__(best=best, poll_s=poll_s)
         model = load_image_model(source, best=best)
-        version = ImageVersion(1, model, gate(model))
-        if not version.gate["passed"]:
-            raise CheckpointError(f"{model.source} failed the serving gate: {version.gate['reason']}; pass another "
-                                  "checkpoint")
-        if model.step is not None:
-            self._tried.add((model.step, model.source))
-        self.current = version
-        self._event("loaded", version)
+        self._serve_first(ImageVersion(1, model, gate(model)))
         self.run_dir = model.run_dir if watch else None
 
-    def start(self) -> None:
-        if self.run_dir is not None:
-            self._thread = threading.Thread(target=self._watch, name="crosstrain-serve-watch", daemon=True)
-            self._thread.start()
+    def _load(self, resolved: Resolved, number: int) -> ImageVersion:
+        model = load_image_model(resolved)
+        return ImageVersion(number, model, gate(model))
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.poll()
-            except Exception as exc:  # a watcher that dies silently would stop updates: log and keep polling
-                self._event("error", None, reason=f"{type(exc).__name__}: {exc}")
-
-    def poll(self) -> ImageVersion | None:
-        """Look once for a newer checkpoint; load, gate and swap it in. Returns the new version, if any."""
-        assert self.run_dir is not None
-        for step, path in self._candidates(self.run_dir / "checkpoints"):
-            self._tried.add((step, str(path)))
-            if not self.best:  # find_best verified the best one already
-                problems = verify(path).problems
-                if problems:
-                    self._event("refused", None, step=step, path=str(path), reason=f"verification: {problems[0]}")
-                    continue
-            try:
-                model = load_image_model(Resolved("checkpoint", path, self.run_dir, step, True))
-            except CrosstrainError as exc:
-                self._event("refused", None, step=step, path=str(path), reason=str(exc))
-                continue
-            version = ImageVersion(self.current.number + 1, model, gate(model))
-            if not version.gate["passed"]:
-                self._event("refused", version, reason=version.gate["reason"])
-                continue
-            self.current = version  # the swap: requests that arrive from now on are answered by it
-            self._event("swapped", version)
-            return version
-        return None
-
-    def _candidates(self, folder: Path) -> list[tuple[int, Path]]:
-        current = self.current.model.step if self.current.model.step is not None else -1
-        if self.best:
-            info = find_best(folder)
-            if info is None or info.step == current or (info.step, str(info.path)) in self._tried:
-                return []
-            return [(info.step, info.path)]
-        return [(s, p) for s, p in step_dirs(folder) if s > current and (s, str(p)) not in self._tried]
-
-    def _event(self, kind: str, version: ImageVersion | None, **extra: Any) -> None:
-        event: dict[str, Any] = {"event": kind, "time": time.time()}
-        if version is not None:
-            event.update(version=version.number, step=version.model.step, source=version.model.source,
-                         params_sha256=version.model.params_sha256, gate=version.gate)
-        event.update(extra)
-        self.events.append(event)
-        print(f"crosstrain serve: {json.dumps(event)}", file=sys.stderr, flush=True)
+    def _gate(self, version: ImageVersion) -> dict[str, Any]:
+        return version.gate
 
 
 def serve_images(options: Any) -> int:

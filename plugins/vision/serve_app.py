@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException
 
+from crosstrain.plugins.serve.handlers import add_error_handlers
 from crosstrain.plugins.serve.protocol import APIError, parse
 
 #: the most images one request may carry
@@ -81,13 +81,7 @@ def create_image_app(name: str, manager: Any) -> FastAPI:
     app = FastAPI(title="crosstrain serve (images)", docs_url=None, redoc_url=None, openapi_url=None)
     lock = threading.Lock()  # one forward at a time: torch already uses every core for one batch
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

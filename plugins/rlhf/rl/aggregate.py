@@ -2,8 +2,9 @@
 
 The loop averages each micro-batch's loss over ``grad_accum`` micro-batches and data-parallel ranks. A recipe
 therefore returns ``aggregate(...) * terms`` with ``terms = grad_accum * dp`` and the token and sequence counts
-of the whole optimizer step (all micro-batches, all ranks; :func:`global_sums`): the mean of those is the loss of
-the global batch, whatever the layout, instead of a mean of per-micro-batch means that depends on it.
+of the whole optimizer step (all micro-batches, all ranks; :func:`crosstrain.collective.global_sums`): the mean
+of those is the loss of the global batch, whatever the layout, instead of a mean of per-micro-batch means that
+depends on it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -43,15 +43,3 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: Aggregation, *, toke
         return masked.sum() / (max(sequences, 1.0) * max_tokens)
     raise ValueError(f"mode={mode!r} is not one of token-mean, seq-mean-token-mean, seq-mean-token-sum, "
                      "seq-mean-token-sum-norm")
-
-
-def global_sums(values: torch.Tensor, copies: int = 1) -> torch.Tensor:
-    """``values`` summed over every rank (one all-reduce), divided by ``copies``: the number of ranks that hold
-    the same data (tensor/pipeline-parallel peers), so the result is the sum over data-parallel ranks."""
-    out = values.detach().double().clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        backend_device = out.device if dist.get_backend() != "gloo" else torch.device("cpu")
-        moved = out.to(backend_device)
-        dist.all_reduce(moved)
-        out = moved.to(values.device)
-    return out / copies

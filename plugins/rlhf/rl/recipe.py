@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from crosstrain.collective import global_sums
 from crosstrain.config import Config, gpt_config
 from crosstrain.data import chat_template
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
@@ -32,7 +33,7 @@ from crosstrain.generation import GenerationConfig, generate
 from crosstrain.models.family import swap_scalar_head
 from crosstrain.plugins.rlhf.data import Rendered, encode_prompt
 from crosstrain.plugins.rlhf.rl import tasks
-from crosstrain.plugins.rlhf.rl.aggregate import aggregate, global_sums
+from crosstrain.plugins.rlhf.rl.aggregate import aggregate
 from crosstrain.plugins.rlhf.rl.kl import AdaptiveKLController, kl_estimate
 from crosstrain.plugins.rlhf.rl.policy_loss import clipped_surrogate, log_ratio
 from crosstrain.plugins.rlhf.rl.rollout import (

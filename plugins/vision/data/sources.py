@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from crosstrain.errors import ConfigError
+from crosstrain.plugins.vision.config import VisionSection
 
 #: image file types ImageFolder sources read (Pillow decodes them)
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
@@ -133,9 +134,8 @@ def held_out_indices(labels: np.ndarray, fraction: float) -> np.ndarray:
     return np.sort(np.concatenate(out))
 
 
-def build_sources(sec: object) -> tuple[Source, Source]:
+def build_sources(sec: VisionSection) -> tuple[Source, Source]:
     """The ``[vision]`` section's training and held-out sources."""
-    data, channels = sec.data, int(sec.channels)
-    if not data:
-        return digits(channels)
-    return image_folder(data, float(sec.val_fraction), channels)
+    if not sec.data:
+        return digits(sec.channels)
+    return image_folder(sec.data, sec.val_fraction, sec.channels)

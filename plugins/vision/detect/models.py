@@ -34,7 +34,7 @@ class GlobalCountFCOSHead(FCOSHead):
 
     def compute_loss(self, targets: list[dict[str, torch.Tensor]], head_outputs: dict[str, torch.Tensor],
                      anchors: list[torch.Tensor], matched_idxs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        from crosstrain.plugins.rlhf.rl.aggregate import global_sums
+        from crosstrain.collective import global_sums
 
         losses = super().compute_loss(targets, head_outputs, anchors, matched_idxs)
         local = torch.stack([(m >= 0).sum() for m in matched_idxs]).sum().float()
