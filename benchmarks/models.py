@@ -22,7 +22,9 @@ other op (norms, rotary, activations, residual adds, copies, the optimizer step,
 ``speedup_bound_gemm_only`` counts the GEMMs alone.
 
 Last line: JSON with ``native_vs_transformers`` (native tokens/s / generic tokens/s; target >= 1.3), ``speedup_bound``,
-``of_bound``, ``step_s``/``irreducible_s``/``gemm_s`` per path, and
+``of_bound``, ``step_s``/``irreducible_s``/``gemm_s`` per path, ``step_ms_by_op`` (where each path's step goes:
+GEMMs, attention, each other aten op or native CPU kernel (``ext:...``) above 0.5% of the step, the rest of them,
+and ``timed ops``, their sum; ``step_s`` minus it is Python, autograd and dispatch; timed in the bound's runs), and
 ``memory_ratio`` (native peak / generic peak; target <= 1.0) and ``window_mem_ratio`` (peak memory of crosstrain's
 windowed attention / dense boolean-mask SDPA at T = 4096 with a 512 window, forward + backward, measured by
 benchmarks/attention_masks.py's ``layout``; target <= 0.25), with per-path detail.
@@ -80,22 +82,46 @@ IRREDUCIBLE = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "_scaled_dot_product_f
 GEMMS = IRREDUCIBLE[:5]
 
 
-def irreducible(path: str, args: argparse.Namespace) -> dict[str, float]:
+class _TimedExtension:
+    """A compiled extension module whose every function adds its seconds on ``clock`` to ``spent["ext:<name>"]``
+    (the native kernels are called through ``data_ptr()`` addresses, so no dispatch mode sees them)."""
+
+    def __init__(self, module: Any, clock: Any, spent: dict[str, float]) -> None:
+        self._module, self._clock, self._spent = module, clock, spent
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._module, name)
+        if not callable(fn):
+            return fn
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = self._clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                key = f"ext:{name}"
+                self._spent[key] = self._spent.get(key, 0.0) + self._clock() - t0
+
+        return timed
+
+
+def irreducible(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Seconds per step (median over the steps after ``--warmup``) that one run on ``path`` spends in the
     :data:`IRREDUCIBLE` ops, and in its GEMMs alone, read on ``--clock`` around each such op by a dispatch mode
-    (every aten call, forward and backward, passes through it; the mode's own overhead falls outside the ops)."""
+    (every aten call, forward and backward, passes through it; the mode's own overhead falls outside the ops).
+    ``ops``: the mean seconds per step (same steps) of every aten op and every call into the CPU backend's native
+    extensions (``ext:<function>``), where the rest of the step goes."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     clock_fn = time.process_time if args.clock == "cpu" else time.perf_counter
     spent = {"irreducible": 0.0, "gemm": 0.0}
+    ops: dict[str, float] = {}
     sync = torch.accelerator.synchronize if args.clock == "wall" and torch.accelerator.is_available() else None
 
     class Timer(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, a: tuple = (), kw: dict | None = None) -> Any:
             name = func.overloadpacket.__name__
-            if name not in IRREDUCIBLE:
-                return func(*a, **(kw or {}))
             if sync is not None:
                 sync()
             t0 = clock_fn()
@@ -103,7 +129,9 @@ def irreducible(path: str, args: argparse.Namespace) -> dict[str, float]:
             if sync is not None:
                 sync()
             dt = clock_fn() - t0
-            spent["irreducible"] += dt
+            ops[name] = ops.get(name, 0.0) + dt
+            if name in IRREDUCIBLE:
+                spent["irreducible"] += dt
             if name in GEMMS:
                 spent["gemm"] += dt
             return out
@@ -111,11 +139,48 @@ def irreducible(path: str, args: argparse.Namespace) -> dict[str, float]:
     from crosstrain.config import load_config
     from crosstrain.engine import Trainer
 
-    with tempfile.TemporaryDirectory(prefix=f"bench-models-{path}-") as out, \
-            step_clock(lambda: spent["irreducible"]) as both, step_clock(lambda: spent["gemm"]) as gemm, Timer():
-        Trainer(load_config(None, _sets(path, args, out)), run_dir=out).fit()
+    extensions = _native_extensions()
+    try:
+        for holder, attr in extensions:
+            setattr(holder, attr, _TimedExtension(getattr(holder, attr), clock_fn, ops))
+        with tempfile.TemporaryDirectory(prefix=f"bench-models-{path}-") as out, \
+                step_clock(lambda: spent["irreducible"]) as both, step_clock(lambda: spent["gemm"]) as gemm, \
+                step_clock(lambda: dict(ops)) as snapshots, Timer():
+            Trainer(load_config(None, _sets(path, args, out)), run_dir=out).fit()
+    finally:
+        for holder, attr in extensions:
+            setattr(holder, attr, getattr(holder, attr)._module)
+    first, last = snapshots.readings[args.warmup], snapshots.readings[-1]
+    steps = len(snapshots.readings) - 1 - args.warmup
     return {"irreducible": statistics.median(both.intervals[args.warmup:]),
-            "gemm": statistics.median(gemm.intervals[args.warmup:])}
+            "gemm": statistics.median(gemm.intervals[args.warmup:]),
+            "ops": {k: (v - first.get(k, 0.0)) / steps for k, v in last.items()}}
+
+
+def _native_extensions() -> list[tuple[Any, str]]:
+    """(module, attribute) of each loaded native CPU extension (optimizer steps, model ops), to time its calls."""
+    try:
+        from crosstrain.backends.cpu import native
+        from crosstrain.backends.cpu.native import kernels
+    except ImportError:
+        return []
+    return [(m, a) for m, a in ((native, "_native"), (kernels, "_ext")) if getattr(m, a, None) is not None]
+
+
+def breakdown(step: float, floors: list[dict[str, Any]], share: float = 0.005) -> dict[str, float]:
+    """Milliseconds per step by op (median over the rounds): GEMMs, the fused attention, each other op or native
+    kernel above ``share`` of ``step``, the rest of them together (``other ops``) and ``timed ops``, the sum of
+    them all: ``step`` minus it is Python, autograd and dispatch, read across runs (the bound's runs are not the
+    timed ones, so under load the difference carries their noise, and each op's two clock readings add ~1 us)."""
+    names = {k for f in floors for k in f["ops"]}
+    per = {k: statistics.median([f["ops"].get(k, 0.0) for f in floors]) for k in names}
+    out = {"gemm": sum(v for k, v in per.items() if k in GEMMS),
+           "attention": sum(v for k, v in per.items() if k in IRREDUCIBLE and k not in GEMMS)}
+    rest = {k: v for k, v in per.items() if k not in IRREDUCIBLE}
+    out.update({k: v for k, v in sorted(rest.items(), key=lambda kv: -kv[1]) if v >= share * step})
+    out["other ops"] = sum(v for k, v in rest.items() if v < share * step)
+    out["timed ops"] = sum(per.values())
+    return {k: round(v * 1000, 2) for k, v in out.items()}
 
 
 def memory(path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -185,6 +250,7 @@ def main() -> None:
     tps = {path: tokens / step_s[path] for path in PATHS}
     floor = {path: {k: statistics.median([f[k] for f in floors[path]]) for k in ("irreducible", "gemm")}
              for path in PATHS}
+    where = {path: breakdown(step_s[path], floors[path]) for path in PATHS}
     passthrough = [f"--preset={args.preset}", f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}",
                    f"--threads={args.threads}", f"--compile={args.compile}"]
     mem = {path: _memory_in_fresh_process(path, passthrough) for path in PATHS}
@@ -200,6 +266,7 @@ def main() -> None:
         "step_s": {p: round(v, 4) for p, v in step_s.items()},
         "irreducible_s": {p: round(v["irreducible"], 4) for p, v in floor.items()},
         "gemm_s": {p: round(v["gemm"], 4) for p, v in floor.items()},
+        "step_ms_by_op": where,
         "memory_ratio": round(mem["native"]["peak_bytes"] / max(mem["transformers"]["peak_bytes"], 1), 3),
         "window_mem_ratio": round(window["mem_ratio"], 3),
         "tokens_per_s": {p: round(v, 1) for p, v in tps.items()},
