@@ -82,11 +82,11 @@ def _calibration_reader(model: ImageModel) -> Any:
     return Reader()
 
 
-def quantize_classifier(model: ImageModel, src: Path, dst: Path) -> None:
+def quantize_classifier(model: ImageModel, src: Path, dst: Path, *, signed_activations: bool = False) -> None:
     """Write ``dst``: the fp32 classifier ``src`` with its Conv/Gemm/MatMul inputs as QDQ int8, its metadata kept.
 
-    Activations are uint8 and weights int8 (U8S8): on this x86 CPU onnxruntime runs U8S8 QDQ convs about as fast
-    as fp32 and S8S8 ones 2-3x slower (measured on the digits CNN, docs/vision.md)."""
+    Activations are uint8 and weights int8 (U8S8) unless ``signed_activations`` (S8S8): on x86 onnxruntime ran the
+    U8S8 digits CNN in 0.9-1.2x fp32's time, the S8S8 one in 2.3-2.4x (benchmarks/vision_int8.py, docs/vision.md)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -97,8 +97,9 @@ def quantize_classifier(model: ImageModel, src: Path, dst: Path) -> None:
         with quantizer_errors("int8 quantization of the classifier"):
             # onnxruntime's recommended first step: shape inference and graph optimisation before quantizing
             quant_pre_process(str(src), str(prepared))
+            activations = QuantType.QInt8 if signed_activations else QuantType.QUInt8
             quantize_static(str(prepared), str(dst), _calibration_reader(model), quant_format=QuantFormat.QDQ,
-                            per_channel=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            per_channel=True, activation_type=activations, weight_type=QuantType.QInt8,
                             op_types_to_quantize=["Conv", "Gemm", "MatMul"])
     finally:
         prepared.unlink(missing_ok=True)
