@@ -28,7 +28,7 @@ MAX_DROP_POINTS = 0.5
 #: the held-out images the gate scores (the first ones of the split; digits has 368)
 GATE_IMAGES = 5000
 #: held-out images timed one at a time for the latency figure
-LATENCY_IMAGES = 128
+LATENCY_IMAGES = 32
 BATCH = 64
 
 
