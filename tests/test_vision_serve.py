@@ -167,8 +167,62 @@ def test_export_onnx_passes_the_gate_and_gives_eval_top1(run, predictions, tmp_p
     assert model.params_sha256 == json.loads((run / "summary.json").read_text())["params_sha256"]
 
 
+def test_export_int8_is_quantized_smaller_and_gated_on_held_out_top1(run, predictions, tmp_path, capsys) -> None:
+    """``--int8``: a QDQ int8 file next to the fp32 one, smaller, whose gate figures are what onnxruntime gives on
+    all 368 held-out digits (recomputed here from the files the export wrote)."""
+    import onnx
+    from onnx import TensorProto
+
+    from crosstrain.plugins.export.runtime import make_session
+    from crosstrain.plugins.vision.data.sources import digits
+
+    out = tmp_path / "digits.onnx"
+    capsys.readouterr()
+    assert crosstrain_main(["export", str(run), "--out", str(out), "--int8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    q = tmp_path / "digits.int8.onnx"
+    assert report["int8_path"] == str(q) and sorted(report["files"]) == sorted([str(out), str(q)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits.int8.onnx", "digits.onnx"]  # no temp left
+    graph = onnx.load(str(q))
+    ops = {n.op_type for n in graph.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= ops
+    int8_weights = [t for t in graph.graph.initializer if t.data_type == TensorProto.INT8 and len(t.dims) == 4]
+    assert len(int8_weights) == 4  # the digits CNN's four conv kernels are stored as int8
+    meta = {p.key: p.value for p in graph.metadata_props}
+    fp32_meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert meta["crosstrain.images"] == fp32_meta["crosstrain.images"]
+    assert meta["crosstrain.quantization"] == "int8-static-qdq"
+    gate = report["int8"]
+    assert q.stat().st_size == gate["int8_bytes"] < out.stat().st_size == gate["fp32_bytes"]
+    # the gate's figures, recomputed on every held-out image from the two published files
+    _, held = digits()
+    m = json.loads(fp32_meta["crosstrain.images"])
+    x = (held.images.numpy().astype(np.float32) / 255 - np.float32(m["mean"][0])) / np.float32(m["std"][0])
+    p32 = make_session(out).run(None, {"images": x})[0].argmax(-1)
+    p8 = make_session(q).run(None, {"images": x})[0].argmax(-1)
+    assert p32.tolist() == [p["pred"] for p in predictions]
+    assert gate["images"] == 368 and gate["top1_agreement"] == pytest.approx(float((p32 == p8).mean()), abs=1e-9)
+    assert gate["fp32_top1"] == pytest.approx(float((p32 == held.labels).mean()), abs=1e-9)
+    assert gate["int8_top1"] == pytest.approx(float((p8 == held.labels).mean()), abs=1e-9)
+    assert gate["passed"] and gate["top1_agreement"] >= 0.99 and gate["drop_points"] <= 0.5
+    assert gate["fp32_latency_us"] > 0 and gate["int8_latency_us"] > 0  # benchmark figures, not asserted on
+
+
+def test_export_int8_failing_gate_writes_nothing(run, tmp_path) -> None:
+    """An agreement bound no model can meet (101%): the real gate fails, one line, nothing at either path."""
+    from crosstrain.plugins.export.errors import ParityError
+    from crosstrain.plugins.vision.export import export_classifier
+    from crosstrain.plugins.vision.load import load_image_model
+
+    out = tmp_path / "digits.onnx"
+    with pytest.raises(ParityError, match="int8 gate failed: top-1 agreement") as err:
+        export_classifier(load_image_model(run), out, tolerance=1e-4, int8=True, min_agreement=1.01)
+    assert "\n" not in str(err.value) and "nothing was written" in str(err.value)
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--int8"], "--int8 quantizes MatMul weights only"),
+    (["--int8", "--int8-tolerance", "0.5"], "--int8-tolerance bounds a GPT's int8 logit error"),
     (["--quantize", "int8"], "no quantized export"),
     (["--format", "safetensors"], "--format onnx"),
 ])

@@ -159,7 +159,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("onnx", "safetensors", "hf"), default="onnx",
                    help="hf: a Hugging Face model folder (config.json, safetensors shards, tokenizer)")
     p.add_argument("--out", default=None, help="output file (default: <run dir>/export/model.<format>)")
-    p.add_argument("--int8", action="store_true", help="also write <out>.int8.onnx (dynamic int8 quantization)")
+    p.add_argument("--int8", action="store_true", help="also write <out>.int8.onnx (int8: dynamic for a GPT, "
+                   "static for an image classifier; gated)")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="max abs logit error (fp32)")
     p.add_argument("--int8-tolerance", type=float, default=DEFAULT_INT8_TOLERANCE,
                    help="max abs logit error accepted for the int8 model")

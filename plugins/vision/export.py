@@ -3,7 +3,9 @@
 -> ``logits`` ``[batch, classes]``, with a dynamic batch axis and the class names and preprocessing in its
 ``metadata_props``. Written only if it passes the export plugin's fp32 parity gate (max abs logit error of
 onnxruntime vs PyTorch <= ``DEFAULT_TOLERANCE``, 1e-4) on several batches of the run's held-out images and one of
-noise. A detect run, ``--int8`` and the quantized exports are refused in one line (docs/vision.md says why)."""
+noise. ``--int8`` also writes ``<out stem>.int8.onnx``, the static int8 model of :mod:`.quantize`, only if it passes
+that module's top-1 gate (nothing at either path otherwise). A detect run and the compress plugin's quantized
+exports are refused in one line (docs/vision.md says why)."""
 
 from __future__ import annotations
 
@@ -58,9 +60,11 @@ def refuse(recipe: str, args: argparse.Namespace) -> None:
     if args.format != "onnx":
         raise ExportError(f"--format {args.format} exports a language model; an image classifier exports with "
                           "--format onnx")
-    if args.int8:
-        raise ExportError("--int8 quantizes MatMul weights only (the GPT's); a conv classifier has one MatMul, its "
-                          "head, so it is refused: export fp32 without --int8")
+    from crosstrain.plugins.export.defaults import DEFAULT_INT8_TOLERANCE
+
+    if args.int8_tolerance != DEFAULT_INT8_TOLERANCE:
+        raise ExportError("--int8-tolerance bounds a GPT's int8 logit error; a classifier's --int8 gate is held-out "
+                          "top-1 agreement with fp32 (>= 99%) and accuracy drop (<= 0.5 points): drop the flag")
 
 
 def _held_out_batches(model: ImageModel, seed: int) -> list[torch.Tensor]:
@@ -120,24 +124,48 @@ def trace(model: ImageModel, path: Path, opset: int | None) -> None:
         program.save(str(path))
 
 
-def export_classifier(model: ImageModel, out: Path, *, tolerance: float, opset: int | None = None) -> dict[str, Any]:
-    """Trace, gate and publish ``out`` (the model file renamed into place last); on any failure nothing is left."""
-    from crosstrain.plugins.export.onnx_export import _publish
+def export_classifier(model: ImageModel, out: Path, *, tolerance: float, opset: int | None = None,
+                      int8: bool = False, min_agreement: float | None = None,
+                      max_drop_points: float | None = None) -> dict[str, Any]:
+    """Trace, gate and publish ``out`` (the model file renamed into place last); with ``int8`` also quantize, gate
+    and publish ``<out stem>.int8.onnx`` (:mod:`.quantize`'s bounds unless given). On any failure nothing is left."""
+    from crosstrain.plugins.export.onnx_export import _publish, int8_path_for
+    from crosstrain.plugins.vision import quantize
 
     if out.suffix != ".onnx" or out.is_dir():
         raise ExportError(f"--out {out} must be a file path ending in .onnx")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    q_dir: Path | None = None  # the int8 file's own folder: _publish moves every file of a folder
+    gate: quantize.Int8Gate | None = None
     try:
         trace(model, tmp_dir / out.name, opset)
         parity = check_image_parity(model, tmp_dir / out.name, tolerance)
         if not parity.passed:
             raise ParityError(f"ONNX fp32 parity check failed: {parity.describe()}; nothing was written (raise the "
                               "tolerance with --tolerance only if this error is acceptable)")
+        if int8:
+            q_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.int8.", dir=out.parent))
+            q_path = q_dir / int8_path_for(out).name
+            quantize.quantize_classifier(model, tmp_dir / out.name, q_path)
+            gate = quantize.check_int8(
+                model, tmp_dir / out.name, q_path,
+                min_agreement=quantize.MIN_AGREEMENT if min_agreement is None else min_agreement,
+                max_drop_points=quantize.MAX_DROP_POINTS if max_drop_points is None else max_drop_points)
+            if not gate.passed:
+                raise ParityError(f"ONNX int8 gate failed: {gate.describe()}; nothing was written (export fp32 "
+                                  "without --int8)")
         files = _publish(tmp_dir, out.name, out.parent)
+        if q_dir is not None:
+            files += _publish(q_dir, int8_path_for(out).name, out.parent)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    return {"path": str(out), "files": files, "parity": asdict(parity), "parity_line": parity.describe()}
+        if q_dir is not None:
+            shutil.rmtree(q_dir, ignore_errors=True)
+    report = {"path": str(out), "files": files, "parity": asdict(parity), "parity_line": parity.describe()}
+    if gate is not None:
+        report.update(int8_path=str(int8_path_for(out)), int8=asdict(gate), int8_line=gate.describe())
+    return report
 
 
 def run_image_export(args: argparse.Namespace, source: str, out: Path | None) -> int:
@@ -148,11 +176,14 @@ def run_image_export(args: argparse.Namespace, source: str, out: Path | None) ->
     refuse(str(run_recipe(source)), args)
     model = load_image_model(source, best=args.best)
     target = out if out is not None else default_out(Path(source), "onnx")
-    report = export_classifier(model, target, tolerance=args.tolerance, opset=args.opset)
+    report = export_classifier(model, target, tolerance=args.tolerance, opset=args.opset, int8=args.int8)
     if args.json:
         print(json.dumps({"source": model.source, "format": "onnx", "recipe": model.recipe, "step": model.step,
                           "classes": model.classes, **report}))
     else:
         print(f"wrote {target}")
         print(f"parity fp32: {report['parity_line']}")
+        if args.int8:
+            print(f"wrote {report['int8_path']}")
+            print(f"gate int8: {report['int8_line']}")
     return 0
