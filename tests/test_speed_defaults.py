@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import shared_ranks
@@ -112,8 +115,27 @@ def test_compile_policy(tmp_path, monkeypatch) -> None:
 
     cache_dir()  # torch writes its /tmp default into the variable; the per-user dir still replaces it
     inductor = fast_defaults.enable_compile_caches()
-    assert inductor == tmp_path / "crosstrain" / "inductor"
+    assert inductor == tmp_path / "crosstrain" / "inductor" / fast_defaults.host_isa()
     assert cache_dir() == str(inductor)  # where torch now writes its compile caches (restored by monkeypatch)
+
+
+def test_compile_caches_are_kept_per_cpu_isa(tmp_path) -> None:
+    """A process pinned to another ATen ISA (``ATEN_CPU_CAPABILITY``) gets its own inductor folder and record key."""
+    code = ("import torch; from crosstrain.engine import fast_defaults as f; from crosstrain.parallel import "
+            "ParallelDims; print(f.enable_compile_caches(), "
+            "f.model_key(torch.nn.Linear(2, 2), ParallelDims(), 'fp32', 1, 8))")
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+    base["XDG_CACHE_HOME"] = str(tmp_path)
+
+    def run(env: dict[str, str]) -> list[str]:
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.split()
+
+    pinned, host = run({**base, "ATEN_CPU_CAPABILITY": "default"}), run(base)
+    assert pinned[0] == str(tmp_path / "crosstrain" / "inductor" / "default")
+    assert host[0] == str(tmp_path / "crosstrain" / "inductor" / fast_defaults.host_isa())
+    if fast_defaults.host_isa() != "default":  # a host with vector units: the two never share kernels or records
+        assert pinned[1] != host[1]
 
 
 def test_fast_defaults_match_the_references_over_100_steps(tmp_path) -> None:

@@ -57,9 +57,16 @@ def cache_root() -> Path:
     return Path(root) / "crosstrain"
 
 
+def host_isa() -> str:
+    """The vector ISA ATen's CPU kernels (and inductor's generated C++) use in this process: ``avx512``, ``avx2``,
+    ``default``... (``ATEN_CPU_CAPABILITY`` can lower it). Kernels cached under one ISA crashed a process that picked
+    another (heap corruption, docs/speed.md), so the caches are kept per ISA."""
+    return torch.backends.cpu.get_cpu_capability().lower()
+
+
 def enable_compile_caches() -> Path:
-    """Point torch's on-disk compile caches under :func:`cache_root` (unless the user set them) and turn on the
-    FX-graph and AOTAutograd caches; returns the inductor cache dir."""
+    """Point torch's on-disk compile caches under :func:`cache_root` (unless the user set them), one folder per
+    :func:`host_isa`, and turn on the FX-graph and AOTAutograd caches; returns the inductor cache dir."""
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     try:  # torch writes its default (under /tmp) into the variable the first time anything asks for the dir
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -68,7 +75,7 @@ def enable_compile_caches() -> Path:
     except (ImportError, AttributeError):
         torch_default = None
     if current is None or os.path.abspath(current) == torch_default:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor" / host_isa())
     inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
@@ -87,7 +94,7 @@ def model_key(module: torch.nn.Module, dims: Any, precision: str, micro_batch: i
     """A stable key for "this model compiled this way": class, parameter shapes, layout, precision, batch shape."""
     shapes = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
     text = json.dumps([type(module).__name__, shapes, dims.describe(), precision, micro_batch, seq_len,
-                       torch.__version__])
+                       torch.__version__, host_isa()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
