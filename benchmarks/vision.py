@@ -17,11 +17,16 @@
    classify`` with plain cross-entropy vs the balanced sampler + focal loss (gamma 2), equal steps and seeds: the
    held-out recall of the minority class.
 
+3. **``--channels-last``** (instead of 1 and 2): crosstrain's run with ``vision.channels_last=false`` vs ``true``
+   (NCHW vs NHWC weights and batches), ABBA, the same settings; ``--image-size N`` resizes the digits to NxN (3
+   channels), a size closer to real images. JSON: images/s per layout on both clocks, ``channels_last_ratio_cpu``.
+
 Last line: JSON with ``accuracy_gap_points`` (|crosstrain - plain| mean held-out top-1, in points),
 ``images_per_s_ratio`` (crosstrain / plain, wall clock), ``images_per_s_ratio_cpu`` (CPU clock) and
 ``minority_recall_gain`` (balanced+focal - plain CE).
 
     python benchmarks/vision.py [--steps 400] [--seeds 3] [--minority 3] [--skip-imbalance] [--per-sample-affine]
+    python benchmarks/vision.py --channels-last [--image-size 32] [--steps 200]
 """
 
 from __future__ import annotations
@@ -162,6 +167,20 @@ def imbalance(steps: int, seeds: list[int], minority: int) -> dict[str, Any]:
             "minority_recall_gain": means["balanced_focal"] - means["plain_ce"]}
 
 
+def channels_last(steps: int, seeds: list[int], image_size: int) -> dict[str, Any]:
+    """Part 3: the same crosstrain run on NCHW and on NHWC (module docstring)."""
+    size = [f"vision.image_size={image_size}", "vision.channels=3"] if image_size else []
+    runs = alternate(["nchw", "nhwc"], len(seeds), lambda name, r: run_crosstrain(
+        steps, seeds[r], *size, f"vision.channels_last={'true' if name == 'nhwc' else 'false'}"))
+    step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(r["cpu_s"] for r in v) for k, v in runs.items()}
+    return {"settings": {**SETTINGS, "steps": steps, "seeds": seeds, "image_size": image_size or 8, "threads": 1},
+            "held_out_top1": {k: [r["top1"] for r in v] for k, v in runs.items()},
+            "images_per_s": {k: SETTINGS["batch_size"] / s for k, s in step.items()},
+            "images_per_s_cpu": {k: SETTINGS["batch_size"] / s for k, s in cpu.items()},
+            "channels_last_ratio": step["nchw"] / step["nhwc"], "channels_last_ratio_cpu": cpu["nchw"] / cpu["nhwc"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400)
@@ -170,7 +189,12 @@ def main() -> None:
     p.add_argument("--skip-imbalance", action="store_true")
     p.add_argument("--per-sample-affine", action="store_true",
                    help="crosstrain without its batch RandomAffine kernel (the v2 call per sample, as the plain loop)")
+    p.add_argument("--channels-last", action="store_true", help="part 3 only: NCHW vs NHWC (channels_last)")
+    p.add_argument("--image-size", type=int, default=0, help="--channels-last: resize the digits to NxN, 3 channels")
     args = p.parse_args()
+    if args.channels_last:
+        print(json.dumps(channels_last(args.steps, list(range(args.seeds)), args.image_size)))
+        return
     if args.per_sample_affine:
         import crosstrain.plugins.vision.data.dataset as dataset
 

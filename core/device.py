@@ -54,6 +54,11 @@ class Device(ABC):
     #: bind the process group to this process's device (``init_process_group(device_id=...)``), so device meshes
     #: split the communicator (NCCL, HCCL); False where the collective backend cannot split (a gloo-staged one).
     bind_process_group: bool = True
+    #: convolutions run faster on NHWC (``torch.channels_last``) tensors than on NCHW ones, so image recipes with
+    #: ``vision.channels_last = "auto"`` convert their model and batches (PyTorch's "Channels Last Memory Format"
+    #: tutorial; NVIDIA's cuDNN guide: tensor-core convolutions are NHWC, NCHW inputs pay a transpose). False
+    #: unless the backend's vendor documents the gain.
+    prefers_channels_last: bool = False
 
     @abstractmethod
     def availability(self) -> Availability:

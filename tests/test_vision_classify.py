@@ -164,3 +164,4 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys) -> None:
                                                    nproc=2)
     assert "fewer than the data's 10 classes" in _bad(tmp_path, capsys, "classify.num_classes=5")
     assert "classify.loss" in _bad(tmp_path, capsys, "classify.loss=hinge")
+    assert "vision.channels_last" in _bad(tmp_path, capsys, "vision.channels_last=yes")

@@ -26,6 +26,8 @@ class CudaDevice(TorchModuleDevice):
     type = "cuda"
     dist_backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    # NVIDIA's "Convolutional Layers User's Guide": tensor-core convolutions take NHWC; NCHW is transposed first
+    prefers_channels_last = True
     #: parts table used by :meth:`peak_flops` and the kernel benchmark.
     parts: tuple[PartSpec, ...] = NVIDIA_PARTS
     label = "CUDA"

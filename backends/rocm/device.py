@@ -29,6 +29,9 @@ class RocmDevice(CudaDevice):
     type = "cuda"
     dist_backend = "nccl"
     visible_devices_env = "HIP_VISIBLE_DEVICES"
+    # AMD's ROCm docs ("PyTorch ... channels_last" in the MI300 inference/training tuning guides): MIOpen's NHWC
+    # convolutions are the fast path on Instinct GPUs
+    prefers_channels_last = True
     parts = AMD_PARTS
     label = "ROCm"
     driver_hint = "check the amdgpu driver with rocm-smi"

@@ -36,6 +36,10 @@ class VisionSection(BaseModel):
     mix_prob: float = Field(default=1.0, ge=0, le=1, description="share of training samples that are mixed")
     workers: int = Field(default=0, ge=0, description="decode and augment in this many worker processes (0 = in the "
                          "training process); the pixels do not depend on it")
+    channels_last: Literal["auto", True, False] = Field(default="auto", description="train on NHWC "
+                                                        '(torch.channels_last) weights and batches: true, false, '
+                                                        'or "auto" = where the backend\'s convolutions prefer it '
+                                                        "(Device.prefers_channels_last: cuda, rocm)")
 
 
 class ClassifySection(BaseModel):

@@ -80,3 +80,19 @@ def test_pin_memory(backend, device):
     assert torch.equal(pinned, t)
     if backend.has("pinned_memory"):
         assert pinned.is_pinned()
+
+
+def test_channels_last_convolution(device):
+    """``prefers_channels_last`` is a bool; a device that prefers it (the image recipes then convert on ``"auto"``)
+    gives a convolution of channels_last tensors the NCHW result (a wrong layout errs by O(1), TF32 by ~1e-3)."""
+    assert isinstance(device.prefers_channels_last, bool)
+    if not device.prefers_channels_last:
+        pytest.skip(f"{type(device).__name__}.prefers_channels_last is False: the recipes keep NCHW here")
+    dev = device.current_device()
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 8, 10, 10, generator=gen), torch.randn(16, 8, 3, 3, generator=gen)
+    ref = torch.nn.functional.conv2d(x, w, padding=1)
+    cl = torch.channels_last
+    out = torch.nn.functional.conv2d(x.to(dev).contiguous(memory_format=cl), w.to(dev).contiguous(memory_format=cl),
+                                     padding=1)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-2, atol=5e-2)

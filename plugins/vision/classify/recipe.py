@@ -56,6 +56,7 @@ class ClassifyRecipe(Recipe):
         self.held_out: Source | None = None
         self.ema: Any = None
         self.weight: torch.Tensor | None = None
+        self.channels_last = False
 
     def validate(self, config: Config) -> None:
         from crosstrain.plugins.vision.classify.models import check_name
@@ -101,6 +102,12 @@ class ClassifyRecipe(Recipe):
             from crosstrain.plugins.vision.classify.models import build_classifier
 
             model = build_classifier(self.sec.model, self.num_classes, self.in_chans, self.sec.pretrained)
+        from crosstrain.plugins.vision.layout import model_channels_last, use_channels_last
+        from crosstrain.registry import active_backend
+
+        self.channels_last = use_channels_last(self.vision.channels_last, active_backend().device())
+        if self.channels_last:  # before the EMA copies it and the loop moves it (.to(device) keeps the format)
+            model = model_channels_last(model)
         if self.sec.ema_decay > 0:
             from crosstrain.plugins.vision.classify.ema import Ema
 
@@ -135,16 +142,22 @@ class ClassifyRecipe(Recipe):
         n = int(batch["labels"].numel())  # an image is the unit of throughput
         return torch.tensor(float(n)), n
 
+    def _images(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's images, on the device already, in the model's memory format (``vision.channels_last``)."""
+        from crosstrain.plugins.vision.layout import images_channels_last
+
+        return images_channels_last(batch["images"]) if self.channels_last else batch["images"]
+
     def loss(self, models: Mapping[str, nn.Module], batch: dict[str, torch.Tensor]) -> MicroBatchLoss:
         sec = self.sec
-        logits = models["model"](batch["images"])
+        logits = models["model"](self._images(batch))
         loss = classification_loss(logits, batch["labels"], targets=batch.get("targets"), kind=sec.loss,
                                    gamma=sec.focal_gamma, weight=self.weight, label_smoothing=sec.label_smoothing)
         top1 = (logits.detach().argmax(-1) == batch["labels"]).float().mean()
         return MicroBatchLoss(loss, {"top1": top1})
 
     def _eval(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        logits = model(batch["images"]).float()
+        logits = model(self._images(batch)).float()
         loss = classification_loss(logits, batch["labels"])
         return loss, batch_metrics(logits, batch["labels"], top_k=self.sec.top_k,
                                    confusion_max=self.sec.confusion_max)
@@ -164,7 +177,7 @@ class ClassifyRecipe(Recipe):
 
         assert self.train_source is not None
         names = [*self.train_source.classes, *map(str, range(len(self.train_source.classes), self.num_classes))]
-        best = top_k(models["model"](batch["images"]).float().cpu(), names, 1)
+        best = top_k(models["model"](self._images(batch)).float().cpu(), names, 1)
         return [{"label": int(y), "pred": b[0]["label"], "class": b[0]["class"], "score": b[0]["score"]}
                 for y, b in zip(batch["labels"].tolist(), best, strict=True)]
 
@@ -194,4 +207,4 @@ class ClassifyRecipe(Recipe):
         return {"classify": {"model": sec.model,
                              "num_classes": self.num_classes, "loss": sec.loss, "sampling": sec.sampling,
                              "class_weights": sec.class_weights, "ema_decay": sec.ema_decay,
-                             "layer_decay": sec.layer_decay}}
+                             "layer_decay": sec.layer_decay, "channels_last": self.channels_last}}
