@@ -93,7 +93,7 @@ def test_auto_follows_each_backends_device_property() -> None:
     from crosstrain.backends.simdev.device import SimdevDevice
     from crosstrain.plugins.vision.layout import use_channels_last
 
-    expected = {CpuDevice: False, CudaDevice: True, RocmDevice: True, NpuDevice: False, SimdevDevice: False}
+    expected = {CpuDevice: False, CudaDevice: True, RocmDevice: False, NpuDevice: False, SimdevDevice: False}
     for cls, prefers in expected.items():
         assert cls.prefers_channels_last is prefers, cls.__name__
         assert use_channels_last("auto", cls()) is prefers, cls.__name__

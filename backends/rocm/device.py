@@ -29,9 +29,10 @@ class RocmDevice(CudaDevice):
     type = "cuda"
     dist_backend = "nccl"
     visible_devices_env = "HIP_VISIBLE_DEVICES"
-    # AMD's ROCm docs ("PyTorch ... channels_last" in the MI300 inference/training tuning guides): MIOpen's NHWC
-    # convolutions are the fast path on Instinct GPUs
-    prefers_channels_last = True
+    # not CUDA's answer: PyTorch sends channels_last convolutions to MIOpen's NHWC path only under
+    # PYTORCH_MIOPEN_SUGGEST_NHWC=1 (aten/src/ATen/native/ConvUtils.h, miopen_conv_use_channels_last: "remove once
+    # ROCm officially supports NHWC in MIOpen"); otherwise the layout is converted back around every convolution
+    prefers_channels_last = False
     parts = AMD_PARTS
     label = "ROCm"
     driver_hint = "check the amdgpu driver with rocm-smi"
