@@ -4,8 +4,9 @@
 ``metadata_props``. Written only if it passes the export plugin's fp32 parity gate (max abs logit error of
 onnxruntime vs PyTorch <= ``DEFAULT_TOLERANCE``, 1e-4) on several batches of the run's held-out images and one of
 noise. ``--int8`` also writes ``<out stem>.int8.onnx``, the static int8 model of :mod:`.quantize`, only if it passes
-that module's top-1 gate (nothing at either path otherwise). A detect run and the compress plugin's quantized
-exports are refused in one line (docs/vision.md says why)."""
+that module's top-1 gate (nothing at either path otherwise). A detect run exports through :mod:`.export_detect`
+(fp32 only); ``--int8`` on it and the compress plugin's quantized exports are refused in one line (docs/vision.md
+says why)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,12 @@ def refuse(recipe: str, args: argparse.Namespace) -> None:
     if getattr(args, "quantize", None) is not None or getattr(args, "ptq", None) is not None:
         raise ExportError("--quantize/--ptq export the compress plugin's int8/int4 GPT linear layers; a --recipe "
                           f"{recipe} conv net has no quantized export: drop the flag (fp32 ONNX with --format onnx)")
-    if recipe == "detect":
-        raise ExportError("ONNX export of a --recipe detect run is not implemented (torchvision's FCOS/RetinaNet "
-                          "post-processing: per-level top-k and batched NMS over dynamic shapes); serve the run with "
-                          "`crosstrain serve RUN` (POST /v1/images/detect)")
     if args.format != "onnx":
-        raise ExportError(f"--format {args.format} exports a language model; an image classifier exports with "
-                          "--format onnx")
+        kind = "a detector" if recipe == "detect" else "an image classifier"
+        raise ExportError(f"--format {args.format} exports a language model; {kind} exports with --format onnx")
+    if recipe == "detect" and args.int8:
+        raise ExportError("--int8 is not built for a --recipe detect run (static int8 calibration and its gate are "
+                          "the classifier's); drop --int8 for the gated fp32 detector")
     from crosstrain.plugins.export.defaults import DEFAULT_INT8_TOLERANCE
 
     if args.int8_tolerance != DEFAULT_INT8_TOLERANCE:
@@ -176,7 +176,12 @@ def run_image_export(args: argparse.Namespace, source: str, out: Path | None) ->
     refuse(str(run_recipe(source)), args)
     model = load_image_model(source, best=args.best)
     target = out if out is not None else default_out(Path(source), "onnx")
-    report = export_classifier(model, target, tolerance=args.tolerance, opset=args.opset, int8=args.int8)
+    if model.recipe == "detect":
+        from crosstrain.plugins.vision.export_detect import export_detector
+
+        report = export_detector(model, target, tolerance=args.tolerance, opset=args.opset, meta_key=META_IMAGES)
+    else:
+        report = export_classifier(model, target, tolerance=args.tolerance, opset=args.opset, int8=args.int8)
     if args.json:
         print(json.dumps({"source": model.source, "format": "onnx", "recipe": model.recipe, "step": model.step,
                           "classes": model.classes, **report}))

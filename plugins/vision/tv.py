@@ -15,8 +15,14 @@ def torchvision() -> ModuleType:
     import torchvision.ops.boxes
 
     if fallback_active():  # torchvision checks for its extension before nms; the fallback kernel is registered
-        torchvision.ops.boxes._assert_has_ops = lambda: None  # type: ignore[attr-defined]
+        torchvision.ops.boxes._assert_has_ops = _ops_registered  # type: ignore[attr-defined]
     return tv
+
+
+def _ops_registered() -> None:
+    """torchvision's ``_assert_has_ops`` where the fallback nms is registered: nothing to check. A ``def``, not a
+    lambda: tracing a detector for ONNX scripts ``batched_nms`` (``_script_if_tracing``), and TorchScript compiles
+    what it calls from the function's source, which a lambda inside an assignment does not give it."""
 
 
 def timm() -> ModuleType:
