@@ -128,9 +128,12 @@ def quantize_linears(model: nn.Module, scheme: Scheme, what: str = "the model") 
     return list(layers)
 
 
-def fake_quant_layers(model: nn.Module) -> list[FakeQuantLinear]:
-    """The :class:`FakeQuantLinear` s inside ``model`` (wrapped by FSDP/DDP or not)."""
-    return [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
+def fake_quant_layers(model: nn.Module) -> list[nn.Module]:
+    """The fake-quantised layers inside ``model`` (wrapped by FSDP/DDP or not): :class:`FakeQuantLinear` s and a
+    conv net's static ones (:mod:`.conv`)."""
+    from crosstrain.plugins.compress.qat.conv import _StaticFakeQuant
+
+    return [m for m in model.modules() if isinstance(m, (FakeQuantLinear, _StaticFakeQuant))]
 
 
 @contextlib.contextmanager
