@@ -5,9 +5,10 @@ torchao 0.18's QAT (``QATConfig``/``IntxFakeQuantizeConfig``) swaps ``nn.Linear`
 its per-token dynamic activations have no static integer form onnxruntime runs in a conv net; torch.ao's QAT for
 conv is the one a PyTorch user knows (``torch.ao.nn.qat.Conv2d`` + ``get_default_qat_qconfig``):
 
-- weights: ``fused_per_channel_wt_fake_quant_range_neg_127_to_127``: symmetric int8 per output channel, range
-  [-127, 127] (the range onnxruntime's quantizer gives symmetric int8 weights, so its integers are these),
-  scale ``max|w_c| / 127`` from a moving average (0.01) of the channel's min/max;
+- weights: ``fused_per_channel_wt_fake_quant_range_neg_127_to_127``: symmetric int8 per output channel, zero
+  point 0, integers clamped to [-127, 127] (onnxruntime's range for symmetric int8 weights), from a moving average
+  (0.01) of the channel's min/max; torch's ``choose_qparams`` (``preserve_sparsity``) makes the scale
+  ``max(|min_c| / 128, max_c / 127) * 255 / 254``;
 - activations: ``default_fused_act_fake_quant``: per-tensor asymmetric uint8 [0, 255] (onnxruntime's U8S8, the
   fast x86 form), ranges from a moving average of the observed min/max.
 
