@@ -4,7 +4,8 @@ command as a user runs it; then the three ONNX files timed side by side in onnxr
 over all 368 held-out digits, interleaved rounds, the best round of each).
 
 Per seed: held-out top-1 of the fp32 file, the PTQ int8 file and the QAT int8 file (onnxruntime, all 368 images),
-the PyTorch ``eval/top1`` of both runs, the bytes of each file and the latency ratios to fp32. Last line: JSON.
+the PyTorch ``eval/top1`` of both runs, the bytes of each file (and of its initializers: weights, scales, zero
+points) and the latency ratios to fp32. Last line: JSON.
 
     python benchmarks/vision_qat.py [--steps 400] [--seeds 0 1 2] [--rounds 5]
 """
@@ -33,6 +34,14 @@ def top1(session: object, x: np.ndarray, labels: np.ndarray) -> float:
     pred = np.concatenate([session.run(None, {"images": x[s:s + 64]})[0].argmax(-1)  # type: ignore[attr-defined]
                            for s in range(0, len(x), 64)])
     return float((pred == labels).mean())
+
+
+def initializer_bytes(path: Path) -> int:
+    """Bytes of the weights, scales and zero points (the file also holds the graph and debug records)."""
+    import onnx
+    from onnx import numpy_helper
+
+    return sum(numpy_helper.to_array(t).nbytes for t in onnx.load(str(path)).graph.initializer)
 
 
 def last_eval_top1(run: Path) -> float:
@@ -77,6 +86,7 @@ def one_seed(cli: list[str], tmp: Path, steps: int, seed: int, rounds: int) -> d
     return {"seed": seed, "onnx_top1": {n: round(top1(s, x, labels), 4) for n, s in sessions.items()},
             "torch_eval_top1": {n: round(last_eval_top1(r), 4) for n, r in runs.items()},
             "bytes": {n: p.stat().st_size for n, p in (("fp32", fp32), ("ptq", ptq), ("qat", qat))},
+            "initializer_bytes": {n: initializer_bytes(p) for n, p in (("fp32", fp32), ("ptq", ptq), ("qat", qat))},
             "us_per_image": {f"{n}_b{b}": round(v, 1) for (n, b), v in best.items()},
             "latency_ratio_b1": {n: round(best[n, 1] / best["fp32", 1], 3) for n in ("ptq", "qat")},
             "latency_ratio_b64": {n: round(best[n, 64] / best["fp32", 64], 3) for n in ("ptq", "qat")},

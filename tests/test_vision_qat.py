@@ -41,24 +41,25 @@ def _reference(conv: nn.Conv2d) -> nn.Sequential:
     """torch.ao's own QAT conv (weight fake quant) between torch.ao activation fake quantisers, same qconfig."""
     from torch.ao.nn.qat import Conv2d as QatConv2d
     from torch.ao.quantization import QConfig
-    from torch.ao.quantization.fake_quantize import (
-        default_fused_act_fake_quant,
-        fused_per_channel_wt_fake_quant_range_neg_127_to_127,
-    )
+    from torch.ao.quantization.fake_quantize import FakeQuantize, default_fused_act_fake_quant
+    from torch.ao.quantization.observer import MovingAveragePerChannelMinMaxObserver
 
-    conv.qconfig = QConfig(activation=default_fused_act_fake_quant,  # type: ignore[assignment]
-                           weight=fused_per_channel_wt_fake_quant_range_neg_127_to_127)
+    weight = FakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-127, quant_max=127,
+                                    dtype=torch.qint8, qscheme=torch.per_channel_symmetric, eps=2**-12)
+    conv.qconfig = QConfig(activation=default_fused_act_fake_quant, weight=weight)  # type: ignore[assignment]
     return nn.Sequential(default_fused_act_fake_quant(), QatConv2d.from_float(conv), default_fused_act_fake_quant())
 
 
 def test_conv_fake_quant_is_torch_ao_qat_bit_for_bit() -> None:
     """Three training steps (ranges observed), then eval (ranges frozen): outputs and gradients equal torch.ao's
-    modules exactly, and the first step's scales are torch's closed forms (conv.py's docstring; (max - min) / 255)."""
+    modules exactly, and the first step's scales are the closed forms max|w_c| / 127 and (max - min(x, 0)) / 255."""
     from crosstrain.plugins.compress.qat.conv import FakeQuantConv2d, quantize_convnet
     from crosstrain.plugins.compress.qat.schemes import scheme
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 8, 3, padding=1, bias=True)
+    with torch.no_grad():
+        conv.weight[0] = conv.weight[0].abs()  # a channel of one sign (the fused torch.ao quantiser's zero point -127)
     ref = _reference(nn.Conv2d(3, 8, 3, padding=1, bias=True))
     ref[1].load_state_dict(conv.state_dict(), strict=False)
     model = nn.Sequential(conv)
@@ -69,9 +70,8 @@ def test_conv_fake_quant_is_torch_ao_qat_bit_for_bit() -> None:
         ya, yb = conv(xa), ref(xb)
         assert torch.equal(ya, yb)
         if step == 0:
-            w = conv.weight.detach().double()  # torch's choose_qparams with preserve_sparsity, qmin -127, qmax 127
-            w_scale = torch.maximum(-w.amin((1, 2, 3)) / 128, w.amax((1, 2, 3)) / 127) * 255 / 254
-            assert torch.allclose(conv.weight_fake_quant.scale.double(), w_scale, rtol=1e-6, atol=0)
+            assert torch.equal(conv.weight_fake_quant.scale, conv.weight.detach().abs().amax((1, 2, 3)) / 127)
+            assert not conv.weight_fake_quant.zero_point.any()  # channel 0 is all positive: still symmetric
             lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
             assert conv.input_fake_quant.scale.item() == pytest.approx((hi - lo) / 255, rel=1e-6)
         (ya * torch.arange(ya.numel()).reshape(ya.shape)).sum().backward()
@@ -202,6 +202,12 @@ def test_refusals_are_one_line(run, tmp_path, capsys) -> None:
         assert crosstrain_main(_argv(bad, *RUN, "train.steps=1", *sets)) == 2
         assert words in one_line_error(*capsys.readouterr())[-1]
         assert not bad.exists()  # refused before anything was written
+    toml = tmp_path.parent / "qat4.toml"  # the same key from a TOML file
+    toml.write_text('[train]\nrecipe = "classify"\nsteps = 1\n[quant]\nqat = "int8-act-int4-weight"\n')
+    capsys.readouterr()
+    assert crosstrain_main(["train", str(toml), "--run-dir", str(tmp_path / "bad"), "--set", "backend=cpu"]) == 2
+    assert 'trains with quant.qat="int8"' in one_line_error(*capsys.readouterr())[-1]
+    assert not (tmp_path / "bad").exists()
     out = tmp_path / "x.onnx"
     for flags, words in ((["--int8"], "--quantize, not --int8"), (["--ptq", "int8"], "--ptq quantises a GPT's"),
                          (["--quantize", "int8-act-int4-weight"], "int8 only")):

@@ -141,7 +141,11 @@ def quantize_qat(model: ImageModel, src: Path, dst: Path) -> int:
     finally:
         prepared.unlink(missing_ok=True)
     weights = {n.name: n.input[1] for n in graph.graph.node if n.input[1:2] and n.input[1] in given}
-    checked = check_stored(onnx.load(str(dst)), given, weights, model.model)
+    quantised = onnx.load(str(dst))
+    checked = check_stored(quantised, given, weights, model.model)
+    for node in quantised.graph.node:  # the exporter's per-node debug records (stack traces, source paths): 40 kB
+        del node.metadata_props[:]
+    onnx.save(quantised, str(dst))
     carry_metadata(src, dst, QUANTIZATION)
     return checked
 

@@ -5,10 +5,12 @@ torchao 0.18's QAT (``QATConfig``/``IntxFakeQuantizeConfig``) swaps ``nn.Linear`
 its per-token dynamic activations have no static integer form onnxruntime runs in a conv net; torch.ao's QAT for
 conv is the one a PyTorch user knows (``torch.ao.nn.qat.Conv2d`` + ``get_default_qat_qconfig``):
 
-- weights: ``fused_per_channel_wt_fake_quant_range_neg_127_to_127``: symmetric int8 per output channel, zero
-  point 0, integers clamped to [-127, 127] (onnxruntime's range for symmetric int8 weights), from a moving average
-  (0.01) of the channel's min/max; torch's ``choose_qparams`` (``preserve_sparsity``) makes the scale
-  ``max(|min_c| / 128, max_c / 127) * 255 / 254``;
+- weights: :data:`WEIGHT_FAKE_QUANT`, ``FakeQuantize`` with torch.ao's moving-average per-channel observer: symmetric
+  int8 per output channel, zero point 0, integers in [-127, 127] (onnxruntime's range for symmetric int8 weights),
+  scale ``max(|min_c|, |max_c|) / 127`` from a moving average (0.01) of the channel's min/max. Not the fused
+  ``fused_per_channel_wt_fake_quant_range_neg_127_to_127`` of torch's default QAT qconfig: its C++ qparams give a
+  channel whose weights are all of one sign a zero point of -127 (measured after 100 steps on the digits), which
+  onnxruntime's int8 ``QLinearConv`` cannot take;
 - activations: ``default_fused_act_fake_quant``: per-tensor asymmetric uint8 [0, 255] (onnxruntime's U8S8, the
   fast x86 form), ranges from a moving average of the observed min/max.
 
@@ -26,15 +28,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.ao.quantization.fake_quantize import (
-    FakeQuantizeBase,
-    default_fused_act_fake_quant,
-    fused_per_channel_wt_fake_quant_range_neg_127_to_127,
-)
+from torch.ao.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase, default_fused_act_fake_quant
+from torch.ao.quantization.observer import MovingAveragePerChannelMinMaxObserver
 
 from crosstrain.errors import ConfigError
 from crosstrain.plugins.compress.qat.schemes import Scheme
 
+#: the weights' fake quantiser (the module docstring says why not the fused one)
+WEIGHT_FAKE_QUANT = FakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-127,
+                                           quant_max=127, dtype=torch.qint8, qscheme=torch.per_channel_symmetric,
+                                           eps=2**-12)
 #: the scheme the conv path implements (int4 weights would need onnxruntime's MatMulNBits, which has no conv)
 CONV_SCHEMES = ("int8",)
 
@@ -111,7 +114,7 @@ def quantize_convnet(model: nn.Module, scheme: Scheme, what: str = "the model") 
         m.__class__ = FakeQuantConv2d if conv else FakeQuantStaticLinear
         device = m.weight.device
         m.add_module("input_fake_quant", default_fused_act_fake_quant().to(device))
-        m.add_module("weight_fake_quant", fused_per_channel_wt_fake_quant_range_neg_127_to_127().to(device))
+        m.add_module("weight_fake_quant", WEIGHT_FAKE_QUANT().to(device))
         if conv:
             m.add_module("output_fake_quant", default_fused_act_fake_quant().to(device))
         m.qat_enabled = True  # type: ignore[assignment]
