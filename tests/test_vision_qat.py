@@ -210,7 +210,10 @@ def test_refusals_are_one_line(run, tmp_path, capsys) -> None:
     assert not (tmp_path / "bad").exists()
     out = tmp_path / "x.onnx"
     for flags, words in ((["--int8"], "--quantize, not --int8"), (["--ptq", "int8"], "--ptq quantises a GPT's"),
-                         (["--quantize", "int8-act-int4-weight"], "int8 only")):
+                         (["--quantize", "int8-act-int4-weight"], "int8 only"),
+                         (["--quantize", "--group-size", "32"], "drop the flag"),
+                         # a fixed bound no integer model meets: the real gate fails after quantising, nothing left
+                         (["--quantize", "--quant-tolerance", "1e-9"], "QAT parity check failed")):
         capsys.readouterr()
         assert crosstrain_main(["export", str(run), "--out", str(out), *flags]) != 0
         assert words in one_line_error(*capsys.readouterr())[-1]

@@ -4,8 +4,9 @@
 ``metadata_props``. Written only if it passes the export plugin's fp32 parity gate (max abs logit error of
 onnxruntime vs PyTorch <= ``DEFAULT_TOLERANCE``, 1e-4) on several batches of the run's held-out images and one of
 noise. ``--int8`` also writes ``<out stem>.int8.onnx``, the static int8 model of :mod:`.quantize`, only if it passes
-that module's top-1 gate (nothing at either path otherwise). A detect run and the compress plugin's quantized
-exports are refused in one line (docs/vision.md says why)."""
+that module's top-1 gate (nothing at either path otherwise). A run trained with ``quant.qat = "int8"`` exports its
+integer model with ``--quantize`` (:mod:`.qat_export`). A detect run and the flags that do not apply to a conv net
+are refused in one line (docs/vision.md says why)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ def refuse(recipe: str, args: argparse.Namespace) -> None:
     if getattr(args, "quantize", None) not in (None, "trained", "int8"):
         raise ExportError(f"--quantize {args.quantize}: a --recipe {recipe} conv net trains and exports int8 only; "
                           "pass --quantize (the scheme it was trained with)")
+    if getattr(args, "group_size", None) is not None:
+        raise ExportError(f"--group-size sets int4 weight groups; a --recipe {recipe} conv net's int8 weights have one "
+                          "scale per output channel: drop the flag")
     if getattr(args, "quantize", None) is not None and args.int8:
         raise ExportError("--quantize writes the QAT run's integer model and --int8 quantises a floating-point one "
                           "after training; pass one")
@@ -229,7 +233,8 @@ def _run_qat_export(args: argparse.Namespace, model: ImageModel, qat: bool, out:
         from crosstrain.plugins.vision.qat_export import export_qat_classifier
 
         target = out if out is not None else int8_path_for(default_out(Path(model.source), "onnx"))
-        report = export_qat_classifier(model, target, opset=args.opset)
+        report = export_qat_classifier(model, target, opset=args.opset,
+                                       tolerance=getattr(args, "quant_tolerance", None))
         f = report["figures"]
         lines = [f"wrote {target} (int8 as trained with QAT, {f['int8_bytes']:,} bytes)",
                  f"parity int8: {report['parity_line']}",

@@ -55,12 +55,15 @@ class QatParity:
     images: int
     held_out_top1_agree: float  # share of the held-out images whose top-1 is the fake-quantised model's
     passed: bool
+    fixed: bool = False  # ``bound`` is --quant-tolerance, not derived
 
     def describe(self) -> str:
         verdict = "ok" if self.passed else "FAILED"
+        bound = (f"the fixed bound {self.bound:g}" if self.fixed else
+                 f"each batch's bound 1e-4 + 2 max|R - F| (smallest {self.bound:.3g})")
         return (f"max abs logit error {self.max_abs_err:.3g} over {self.batches} batches ({self.images} images), "
-                f"at most {self.worst_ratio:.3f} of each batch's bound 1e-4 + 2 max|R - F| (smallest "
-                f"{self.bound:.3g}); top-1 agreement {self.held_out_top1_agree:.4f} on the held-out batches: {verdict}")
+                f"at most {self.worst_ratio:.3f} of {bound}; top-1 agreement {self.held_out_top1_agree:.4f} on the "
+                f"held-out batches: {verdict}")
 
 
 def _static(model: nn.Module) -> dict[str, Any]:
@@ -191,8 +194,9 @@ def check_stored(graph: Any, given: dict[str, list[dict[str, Any]]], weights: di
 
 
 @torch.no_grad()
-def check_qat_parity(model: ImageModel, path: Path, seed: int = 0) -> QatParity:
-    """Apply the module docstring's gate to ``path`` against ``model.model`` (fake-quantised, eval)."""
+def check_qat_parity(model: ImageModel, path: Path, seed: int = 0, tolerance: float | None = None) -> QatParity:
+    """Apply the module docstring's bound to ``path`` against ``model.model`` (fake-quantised, eval); ``tolerance``:
+    a fixed bound instead (``--quant-tolerance``)."""
     from crosstrain.plugins.export.defaults import DEFAULT_TOLERANCE
     from crosstrain.plugins.export.runtime import make_session, run
     from crosstrain.plugins.vision.export import PARITY_BATCHES, _held_out_batches
@@ -202,7 +206,8 @@ def check_qat_parity(model: ImageModel, path: Path, seed: int = 0) -> QatParity:
     worst, ratio, bound, images, agree, held = 0.0, 0.0, float("inf"), 0, 0, 0
     for k, x in enumerate(_held_out_batches(model, seed)):
         ref = model.model(x).float()
-        limit = DEFAULT_TOLERANCE + 2.0 * float((ref - floats(x).float()).abs().max())
+        limit = tolerance if tolerance is not None else \
+            DEFAULT_TOLERANCE + 2.0 * float((ref - floats(x).float()).abs().max())
         got = run(session, {"images": x.numpy()})[0]
         err = float(np.abs(got - ref.numpy()).max())
         err = err if np.isfinite(err) else float("inf")
@@ -211,10 +216,12 @@ def check_qat_parity(model: ImageModel, path: Path, seed: int = 0) -> QatParity:
         if k < len(PARITY_BATCHES):  # the held-out batches (the last is noise)
             agree += int((got.argmax(-1) == ref.numpy().argmax(-1)).sum())
             held += len(x)
-    return QatParity(worst, bound, ratio, len(PARITY_BATCHES) + 1, images, agree / held, ratio <= 1.0)
+    return QatParity(worst, bound, ratio, len(PARITY_BATCHES) + 1, images, agree / held, ratio <= 1.0,
+                     tolerance is not None)
 
 
-def export_qat_classifier(model: ImageModel, out: Path, *, opset: int | None = None) -> dict[str, Any]:
+def export_qat_classifier(model: ImageModel, out: Path, *, opset: int | None = None,
+                          tolerance: float | None = None) -> dict[str, Any]:
     """Trace, quantise with the trained scales, gate and publish ``out``; on any failure nothing is left there.
     The report adds the benchmark figures of :mod:`.quantize` (held-out top-1, bytes, latency at 1 thread) of
     ``out`` against the traced float twin."""
@@ -234,7 +241,7 @@ def export_qat_classifier(model: ImageModel, out: Path, *, opset: int | None = N
         fp = work / "float.onnx"
         trace(dataclasses.replace(model, model=float_twin(model.model)), fp, opset)
         stored = quantize_qat(model, fp, pub / out.name)
-        parity = check_qat_parity(model, pub / out.name)
+        parity = check_qat_parity(model, pub / out.name, tolerance=tolerance)
         if not parity.passed:
             raise ParityError(f"ONNX int8 QAT parity check failed: {parity.describe()}; nothing was written")
         figures = quantize.check_int8(model, fp, pub / out.name, min_agreement=0.0, max_drop_points=100.0)

@@ -128,18 +128,18 @@ def quantize_linears(model: nn.Module, scheme: Scheme, what: str = "the model") 
     return list(layers)
 
 
-def fake_quant_layers(model: nn.Module) -> list[nn.Module]:
-    """The fake-quantised layers inside ``model`` (wrapped by FSDP/DDP or not): :class:`FakeQuantLinear` s and a
-    conv net's static ones (:mod:`.conv`)."""
-    from crosstrain.plugins.compress.qat.conv import _StaticFakeQuant
-
-    return [m for m in model.modules() if isinstance(m, (FakeQuantLinear, _StaticFakeQuant))]
+def fake_quant_layers(model: nn.Module) -> list[FakeQuantLinear]:
+    """The :class:`FakeQuantLinear` s inside ``model`` (wrapped by FSDP/DDP or not)."""
+    return [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
 
 
 @contextlib.contextmanager
 def fake_quant_disabled(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` in floating point inside the block (its fp loss, next to the fake-quantised one)."""
-    layers = fake_quant_layers(model)
+    """Run ``model`` in floating point inside the block (its fp loss, next to the fake-quantised one); a conv net's
+    static layers (:mod:`.conv`) too."""
+    from crosstrain.plugins.compress.qat.conv import static_layers
+
+    layers = [*fake_quant_layers(model), *static_layers(model).values()]
     for m in layers:
         m.qat_enabled = False
     try:
