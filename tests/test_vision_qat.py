@@ -196,7 +196,8 @@ def test_gate_catches_a_wrong_scale(run, tmp_path) -> None:
 
 def test_refusals_are_one_line(run, tmp_path, capsys) -> None:
     for sets, words in ((["quant.qat=int8-act-int4-weight"], 'trains with quant.qat="int8"'),
-                        (["quant.qat=int8", "classify.ema_decay=0.9"], "classify.ema_decay=0")):
+                        (["quant.qat=int8", "classify.ema_decay=0.9"], "classify.ema_decay=0"),
+                        (["quant.qat=int8", "classify.model=timm:resnet10t"], "with BatchNorm")):
         bad = tmp_path / "bad"
         capsys.readouterr()
         assert crosstrain_main(_argv(bad, *RUN, "train.steps=1", *sets)) == 2
