@@ -223,7 +223,8 @@ def test_export_int8_failing_gate_writes_nothing(run, tmp_path) -> None:
 
 @pytest.mark.parametrize(("flags", "words"), [
     (["--int8", "--int8-tolerance", "0.5"], "--int8-tolerance bounds a GPT's int8 logit error"),
-    (["--quantize", "int8"], "no quantized export"),
+    (["--quantize", "int8"], "was not trained with QAT"),
+    (["--ptq", "int8"], "--ptq quantises a GPT's"),
     (["--format", "safetensors"], "--format onnx"),
 ])
 def test_export_refusals_are_one_line_and_write_nothing(run, tmp_path, capsys, flags, words) -> None:

@@ -4,9 +4,9 @@
 ``metadata_props``. Written only if it passes the export plugin's fp32 parity gate (max abs logit error of
 onnxruntime vs PyTorch <= ``DEFAULT_TOLERANCE``, 1e-4) on several batches of the run's held-out images and one of
 noise. ``--int8`` also writes ``<out stem>.int8.onnx``, the static int8 model of :mod:`.quantize`, only if it passes
-that module's top-1 gate (nothing at either path otherwise). A detect run exports through :mod:`.export_detect`
-(fp32 only); ``--int8`` on it and the compress plugin's quantized exports are refused in one line (docs/vision.md
-says why)."""
+that module's top-1 gate (nothing at either path otherwise). A run trained with ``quant.qat = "int8"`` exports its
+integer model with ``--quantize`` (:mod:`.qat_export`). A detect run exports through :mod:`.export_detect` (fp32
+only). The flags that do not apply to a conv net are refused in one line (docs/vision.md says why)."""
 
 from __future__ import annotations
 
@@ -51,9 +51,21 @@ class ImageParity:
 
 def refuse(recipe: str, args: argparse.Namespace) -> None:
     """One-line refusals of what this export does not do, before anything is loaded or written."""
-    if getattr(args, "quantize", None) is not None or getattr(args, "ptq", None) is not None:
-        raise ExportError("--quantize/--ptq export the compress plugin's int8/int4 GPT linear layers; a --recipe "
-                          f"{recipe} conv net has no quantized export: drop the flag (fp32 ONNX with --format onnx)")
+    if recipe == "detect" and getattr(args, "quantize", None) is not None:
+        raise ExportError("--quantize exports a QAT-trained classifier; a --recipe detect run has no integer export: "
+                          "drop the flag for the gated fp32 detector")
+    if getattr(args, "ptq", None) is not None:
+        raise ExportError(f"--ptq quantises a GPT's linear layers; a --recipe {recipe} conv net is quantised after "
+                          "training with --int8 (onnxruntime static int8), or exported as trained with --quantize")
+    if getattr(args, "quantize", None) not in (None, "trained", "int8"):
+        raise ExportError(f"--quantize {args.quantize}: a --recipe {recipe} conv net trains and exports int8 only; "
+                          "pass --quantize (the scheme it was trained with)")
+    if getattr(args, "group_size", None) is not None:
+        raise ExportError(f"--group-size sets int4 weight groups; a --recipe {recipe} conv net's int8 weights have one "
+                          "scale per output channel: drop the flag")
+    if getattr(args, "quantize", None) is not None and args.int8:
+        raise ExportError("--quantize writes the QAT run's integer model and --int8 quantises a floating-point one "
+                          "after training; pass one")
     if args.format != "onnx":
         kind = "a detector" if recipe == "detect" else "an image classifier"
         raise ExportError(f"--format {args.format} exports a language model; {kind} exports with --format onnx")
@@ -175,6 +187,9 @@ def run_image_export(args: argparse.Namespace, source: str, out: Path | None) ->
 
     refuse(str(run_recipe(source)), args)
     model = load_image_model(source, best=args.best)
+    qat = trained_qat(model)
+    if args.quantize is not None or qat:
+        return _run_qat_export(args, model, qat, out)
     target = out if out is not None else default_out(Path(source), "onnx")
     if model.recipe == "detect":
         from crosstrain.plugins.vision.export_detect import export_detector
@@ -191,4 +206,50 @@ def run_image_export(args: argparse.Namespace, source: str, out: Path | None) ->
         if args.int8:
             print(f"wrote {report['int8_path']}")
             print(f"gate int8: {report['int8_line']}")
+    return 0
+
+
+def trained_qat(model: ImageModel) -> bool:
+    """Whether the run was trained with ``quant.qat`` (its model carries the fake quantisers)."""
+    from crosstrain.plugins.compress.qat.conv import static_layers
+
+    return bool(static_layers(model.model))
+
+
+def _run_qat_export(args: argparse.Namespace, model: ImageModel, qat: bool, out: Path | None) -> int:
+    """A QAT run: ``--quantize`` writes its integer model (:mod:`.qat_export`); without it, its float weights (fake
+    quantisation off, gated against the same in PyTorch). ``--quantize`` on a float run, ``--int8`` on a QAT one:
+    one line each."""
+    from crosstrain.plugins.compress.qat.linear import fake_quant_disabled
+    from crosstrain.plugins.export.cli import default_out
+    from crosstrain.plugins.export.onnx_export import int8_path_for
+
+    if not qat:
+        raise ExportError(f"{model.source} was not trained with QAT (quant.qat=\"none\"); --int8 quantises it after "
+                          "training (drop --quantize)")
+    if args.int8:
+        raise ExportError(f"{model.source} was trained with quant.qat=\"int8\"; export its integer model as trained "
+                          "with --quantize, not --int8")
+    if args.quantize is None:
+        target = out if out is not None else default_out(Path(model.source), "onnx")
+        with fake_quant_disabled(model.model):
+            report = export_classifier(model, target, tolerance=args.tolerance, opset=args.opset)
+        lines = [f"wrote {target} (the QAT run's float weights; --quantize writes its integer model)",
+                 f"parity fp32: {report['parity_line']}"]
+    else:
+        from crosstrain.plugins.vision.qat_export import export_qat_classifier
+
+        target = out if out is not None else int8_path_for(default_out(Path(model.source), "onnx"))
+        report = export_qat_classifier(model, target, opset=args.opset,
+                                       tolerance=getattr(args, "quant_tolerance", None))
+        f = report["figures"]
+        lines = [f"wrote {target} (int8 as trained with QAT, {f['int8_bytes']:,} bytes)",
+                 f"parity int8: {report['parity_line']}",
+                 f"held-out top-1 {f['int8_top1']:.4f} (its float weights {f['fp32_top1']:.4f}) on {f['images']} "
+                 f"images; {f['int8_latency_us']:.0f} us/image vs float {f['fp32_latency_us']:.0f} at 1 thread"]
+    if args.json:
+        print(json.dumps({"source": model.source, "format": "onnx", "recipe": model.recipe, "step": model.step,
+                          "classes": model.classes, "quantize": args.quantize is not None, **report}))
+    else:
+        print("\n".join(lines))
     return 0

@@ -110,6 +110,10 @@ def load_image_model(source: str | Path | Resolved, *, best: bool = False) -> Im
         model, classes, shape = (_classifier(recipe, config) if name == "classify" else _detector(recipe, config))
     finally:
         torch.random.set_rng_state(rng)
+    if name == "classify":  # the plugins' model transforms as training applied them (QAT's fake quantisers)
+        from crosstrain.engine.models import transform_model
+
+        model = transform_model(model, "model", config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         detail = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"

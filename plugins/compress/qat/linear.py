@@ -135,8 +135,11 @@ def fake_quant_layers(model: nn.Module) -> list[FakeQuantLinear]:
 
 @contextlib.contextmanager
 def fake_quant_disabled(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` in floating point inside the block (its fp loss, next to the fake-quantised one)."""
-    layers = fake_quant_layers(model)
+    """Run ``model`` in floating point inside the block (its fp loss, next to the fake-quantised one); a conv net's
+    static layers (:mod:`.conv`) too."""
+    from crosstrain.plugins.compress.qat.conv import static_layers
+
+    layers = [*fake_quant_layers(model), *static_layers(model).values()]
     for m in layers:
         m.qat_enabled = False
     try:

@@ -71,6 +71,7 @@ class ClassifyRecipe(Recipe):
         else:
             check_name(sec.model)
         build_transform(vision.augment, vision.image_size)  # a wrong table is an error now, not in the first step
+        _check_qat(config)
         self.train_source, self.held_out = build_sources(vision)
         if vision.data and not vision.image_size:
             raise ConfigError("vision.data: image files of any size need vision.image_size (e.g. 224) so a batch "
@@ -208,3 +209,18 @@ class ClassifyRecipe(Recipe):
                              "num_classes": self.num_classes, "loss": sec.loss, "sampling": sec.sampling,
                              "class_weights": sec.class_weights, "ema_decay": sec.ema_decay,
                              "layer_decay": sec.layer_decay, "channels_last": self.channels_last}}
+
+
+def _check_qat(config: Config) -> None:
+    """A ``[quant] qat`` scheme the conv path does not implement, refused before anything is built."""
+    try:
+        qat = config.section("quant").qat
+    except KeyError:  # the compress plugin is not loaded: no [quant] section
+        return
+    if qat != "none":
+        from crosstrain.plugins.compress.qat.conv import check_conv_scheme
+
+        check_conv_scheme(qat, "--recipe classify's model")
+        if config.section("classify").ema_decay > 0:
+            raise ConfigError("quant.qat adds fake quantisers to the model after the EMA copies it; set "
+                              "classify.ema_decay=0 to train with QAT")
