@@ -192,7 +192,7 @@ def test_tolerance_zero_fails_in_one_line_and_writes_nothing(run, exported, tmp_
     (["--int8"], "--int8 is not built for a --recipe detect run"),
     (["--opset", "10"], "--opset >= 11"),
     (["--format", "safetensors"], "a detector exports with --format onnx"),
-    (["--quantize", "int8"], "no quantized export"),
+    (["--quantize", "int8"], "a --recipe detect run has no integer export"),
 ])
 def test_refusals_are_one_line_and_write_nothing(run, tmp_path, capsys, flags, words) -> None:
     out = tmp_path / "d.onnx"
