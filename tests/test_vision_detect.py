@@ -202,6 +202,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(shapes, tmp_path, capsys) -> 
                                     f"detect.val_images={tmp_path}")
     assert "detect.min_size" in _bad(tmp_path, shapes, capsys, "detect.min_size=64", "detect.max_size=32")
     assert "detect.model" in _bad(tmp_path, shapes, capsys, "detect.model=yolo")
+    assert "not built for --recipe detect" in _bad(tmp_path, shapes, capsys, "quant.qat=int8")
     from crosstrain.config import load_config
     from crosstrain.plugins.vision.detect.recipe import DetectRecipe
 

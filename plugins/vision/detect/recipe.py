@@ -53,6 +53,13 @@ class DetectRecipe(Recipe):
             raise ConfigError("--recipe detect shards data only; set parallel.tp=1 and parallel.pp=1 (use "
                               "parallel.dp_shard or dp_replicate)")
         try:
+            qat = config.section("quant").qat
+        except KeyError:  # the compress plugin is not loaded: no [quant] section
+            qat = "none"
+        if qat != "none":
+            raise ConfigError(f"quant.qat={qat!r} is not built for --recipe detect (its conv QAT and integer export "
+                              "are the classifier's); set quant.qat=\"none\"")
+        try:
             import pycocotools  # noqa: F401
 
             from crosstrain.plugins.vision.tv import torchvision
