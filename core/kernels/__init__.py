@@ -12,6 +12,7 @@ __all__ = [
     "OpSpec",
     "registry",
     "rms_norm",
+    "rms_norm_residual",
     "rotary_embedding",
     "swiglu",
     "cross_entropy",
@@ -24,6 +25,16 @@ __all__ = [
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return registry.call("rms_norm", x, weight, eps)
+
+
+def rms_norm_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, rms_norm(x, weight, eps))`` for an ``x`` that also feeds a residual add: an ``rms_norm`` implementation
+    with a ``with_residual`` attribute (the native CPU one) returns ``x`` through its autograd function and adds the
+    residual's gradient to ``dx`` inside its backward kernel, sparing autograd's separate add; any other runs the
+    plain op (the same values)."""
+    impl = registry.resolve("rms_norm", x, weight, eps)
+    fused = getattr(impl, "with_residual", None)
+    return fused(x, weight, eps) if fused is not None else (x, impl(x, weight, eps))
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

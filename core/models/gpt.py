@@ -25,6 +25,7 @@ from crosstrain.generation.cache import StaticKVCache
 from crosstrain.models.attention_masks import AttentionMask, attention, masked_attention, softcap_scores
 from crosstrain.models.qk_norm import HeadNorm, ProjectionNorm, head_norm_style, projection_norm_style
 from crosstrain.models.rope import rope_tables
+from crosstrain.models.fused_linear import hookless, project, residual_linear
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,13 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         (nn.init.zeros_ if self.plus_one else nn.init.ones_)(self.weight)
 
+    def with_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, self(x))`` for an ``x`` that also feeds a residual add: the two gradients of ``x`` are summed in
+        the norm's backward kernel where it offers that (:func:`crosstrain.kernels.rms_norm_residual`)."""
+        if self.plus_one or not hookless(self):
+            return x, self(x)
+        return kernels.rms_norm_residual(x, self.weight, self.eps)
+
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -173,7 +181,7 @@ class Attention(nn.Module):
         """q, k, v ``[B, T, H, D]``: projections, q/k norms (whole projection for OLMo 2, per head for Qwen3) and
         rotary embeddings, in transformers' order."""
         bsz, seqlen, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = project(x, (self.wq, self.wk, self.wv))
         if isinstance(self.q_norm, ProjectionNorm):
             q, k = self.q_norm(q), cast(ProjectionNorm, self.k_norm)(k)
         q = q.view(bsz, seqlen, -1, self.head_dim)
@@ -186,10 +194,11 @@ class Attention(nn.Module):
         return q, k, v
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,
-        mask: AttentionMask | None = None,
+        mask: AttentionMask | None = None, residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """``mask`` (None: causal) says who sees whom: a sliding window, packed documents; see
-        :mod:`crosstrain.models.attention_masks`."""
+        :mod:`crosstrain.models.attention_masks`. With ``residual`` the output is ``residual + attention``, the
+        addition done by ``wo``'s GEMM (:func:`crosstrain.models.fused_linear.residual_linear`)."""
         bsz, seqlen, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
@@ -214,7 +223,7 @@ class Attention(nn.Module):
         else:  # a window, packed documents or Gemma's scale/soft-capping
             out = attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
-        return self.wo(out), present
+        return (self.wo(out) if residual is None else residual_linear(residual, out, self.wo)), present
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
                        layer: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -245,10 +254,14 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)  # down
         self.act = cfg.mlp_act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated MLP; with ``residual``, ``residual + mlp(x)`` with the addition done by ``w2``'s GEMM."""
+        gate, up = project(x, (self.w1, self.w3))
         if self.act == "gelu_tanh":  # GeGLU (Shazeer 2020) with tanh-approximated GELU, as Gemma's MLP
-            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
-        return self.w2(kernels.swiglu(self.w1(x), self.w3(x)))
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = kernels.swiglu(gate, up)
+        return self.w2(hidden) if residual is None else residual_linear(residual, hidden, self.w2)
 
     def tp_plan(self) -> dict[str, Any]:
         """Gate and up column-parallel (``hidden / tp`` columns per rank), down row-parallel (all-reduced)."""
@@ -282,9 +295,18 @@ class Block(nn.Module):
             attn, present = self.attention(x, cos, sin, past, mask)
             h = x + self.attention_norm(attn)
             return h + self.ffn_norm(self.feed_forward(h)), present
-        attn, present = self.attention(self.attention_norm(x), cos, sin, past, mask)
-        h = x + self._post(self.post_attention_norm, attn)
-        return h + self._post(self.post_ffn_norm, self.feed_forward(self.ffn_norm(h))), present
+        # the residual adds happen inside the output projections' GEMMs and x's two gradients meet in the norms'
+        # backward kernels (crosstrain.models.fused_linear, RMSNorm.with_residual) where nothing else is in between
+        x, normed = self.attention_norm.with_residual(x)
+        if self.post_attention_norm is None and type(self.attention) is Attention and hookless(self.attention):
+            h, present = self.attention(normed, cos, sin, past, mask, residual=x)
+        else:
+            attn, present = self.attention(normed, cos, sin, past, mask)
+            h = x + self._post(self.post_attention_norm, attn)
+        h, normed = self.ffn_norm.with_residual(h)
+        if self.post_ffn_norm is None and type(self.feed_forward) is FeedForward and hookless(self.feed_forward):
+            return self.feed_forward(normed, residual=h), present
+        return h + self._post(self.post_ffn_norm, self.feed_forward(normed)), present
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
                        layer: int, mask: torch.Tensor | None) -> torch.Tensor:

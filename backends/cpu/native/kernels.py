@@ -68,14 +68,38 @@ class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w, rstd = ctx.saved_tensors
-        dy = dy.to(x.dtype).contiguous()
-        d = x.shape[-1]
-        dx = torch.empty_like(x)
-        dw = torch.empty(d, dtype=torch.float32)
-        _ext.rms_norm_bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
-                          rstd.numel(), d, _CODES[x.dtype], _threads())
-        return (dx if ctx.needs_input_grad[0] else None,
-                dw.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None)
+        return _rms_backward(ctx, x, w, rstd, dy)
+
+
+class _RmsNormResidual(torch.autograd.Function):
+    """``(x, rms_norm(x))``: ``x`` passes through as an output, so the gradient of its other use (the residual
+    branch) reaches this backward, and the kernel adds it to ``dx`` in its pass over each row instead of autograd
+    adding the two afterwards."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        return x, _RmsNorm.forward(ctx, x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, dres: torch.Tensor | None, dy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        x, w, rstd = ctx.saved_tensors
+        if dy is None:
+            return dres, None, None
+        dres = None if dres is None else dres.to(x.dtype).contiguous()
+        return _rms_backward(ctx, x, w, rstd, dy, dres)
+
+
+def _rms_backward(ctx: Any, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
+                  dres: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    dy = dy.to(x.dtype).contiguous()
+    d = x.shape[-1]
+    dx = torch.empty_like(x)
+    dw = torch.empty(d, dtype=torch.float32)
+    _ext.rms_norm_bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
+                      rstd.numel(), d, _CODES[x.dtype], _threads(), 0 if dres is None else dres.data_ptr())
+    return (dx if ctx.needs_input_grad[0] else None,
+            dw.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None)
 
 
 class _Rotary(torch.autograd.Function):
@@ -205,6 +229,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Native :func:`crosstrain.kernels.reference.rms_norm` (rows of the last dim)."""
     return _RmsNorm.apply(x, weight, eps)
+
+
+def rms_norm_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, rms_norm(x, weight, eps))`` with ``x``'s two gradients summed in the norm's backward kernel."""
+    return _RmsNormResidual.apply(x, weight, eps)
+
+
+rms_norm.with_residual = rms_norm_residual  # type: ignore[attr-defined]  # crosstrain.kernels.rms_norm_residual
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
