@@ -1,4 +1,4 @@
-"""crosstrain.models.fused_linear (additions done by the GEMMs) and the norm that sums its input's residual gradient."""
+"""crosstrain.models.fused_linear (additions inside the GEMMs) and the norm that sums its residual gradient."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from crosstrain.models.gpt import build_gpt
 from crosstrain import kernels
 from crosstrain.models.fused_linear import fusable, project, residual_linear
+from crosstrain.models.gpt import build_gpt
 
 
 def _linears(bias: bool = False) -> tuple[nn.Linear, ...]:
@@ -33,10 +33,10 @@ def test_matches_separate_linears() -> None:
     x = torch.randn(3, 7, 48)
     assert fusable(x, linears)
     fused, plain = _grads(x, linears, True), _grads(x, linears, False)
-    for a, b in zip(fused[:3], plain[:3]):
+    for a, b in zip(fused[:3], plain[:3], strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(fused[3], plain[3], rtol=1e-6, atol=1e-6)
-    for a, b in zip(fused[4:], plain[4:]):
+    for a, b in zip(fused[4:], plain[4:], strict=True):
         assert torch.equal(a, b)
 
 
@@ -77,7 +77,7 @@ def test_falls_back_to_the_modules(case: str) -> None:
             assert not fusable(x, linears)
         return
     assert not fusable(x, linears)
-    for a, m in zip(project(x, linears), linears):
+    for a, m in zip(project(x, linears), linears, strict=True):
         assert torch.equal(a, m(x))
     assert seen == ([1, 1] if case == "hook" else [])
 
@@ -118,7 +118,7 @@ def test_residual_linear_matches_the_add() -> None:
         out = residual_linear(ri, xi, linear) if fused else ri + linear(xi)
         out.backward(torch.ones_like(out) * torch.arange(32.0))
         outs.append((out.detach(), xi.grad, ri.grad, linear.weight.grad))
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert not fusable(x, (nn.Linear(48, 32),))  # a bias: the plain add
     torch.testing.assert_close(residual_linear(res, x, linear), res + linear(x), rtol=1e-6, atol=1e-6)

@@ -35,7 +35,7 @@ class _SharedInputLinears(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         dx: torch.Tensor | None = None
         dws: list[torch.Tensor | None] = []
-        for i, (g, w) in enumerate(zip(grads, weights)):
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
             if g is None:
                 dws.append(None)
                 continue

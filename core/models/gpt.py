@@ -23,9 +23,9 @@ from torch import nn
 from crosstrain import kernels
 from crosstrain.generation.cache import StaticKVCache
 from crosstrain.models.attention_masks import AttentionMask, attention, masked_attention, softcap_scores
+from crosstrain.models.fused_linear import hookless, project, residual_linear
 from crosstrain.models.qk_norm import HeadNorm, ProjectionNorm, head_norm_style, projection_norm_style
 from crosstrain.models.rope import rope_tables
-from crosstrain.models.fused_linear import hookless, project, residual_linear
 
 
 @dataclass(frozen=True)
