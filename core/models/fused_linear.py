@@ -97,7 +97,8 @@ class _ResidualLinear(torch.autograd.Function):
 def residual_linear(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     """``residual + linear(x)``, the addition done by the GEMM when :func:`fusable` (and ``residual`` has the
     output's shape and dtype)."""
-    if not (fusable(x, (linear,)) and type(residual) is torch.Tensor and residual.dtype == x.dtype
-            and residual.shape == (*x.shape[:-1], linear.weight.shape[0])):
+    weight = linear.weight
+    if not (fusable(x, (linear,)) and isinstance(weight, torch.Tensor) and type(residual) is torch.Tensor
+            and residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], weight.shape[0])):
         return residual + linear(x)
-    return _ResidualLinear.apply(residual, x, linear.weight)
+    return _ResidualLinear.apply(residual, x, weight)
