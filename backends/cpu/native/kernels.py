@@ -97,7 +97,7 @@ def _rms_backward(ctx: Any, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
     dx = torch.empty_like(x)
     dw = torch.empty(d, dtype=torch.float32)
     _ext.rms_norm_bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
-                      rstd.numel(), d, _CODES[x.dtype], _threads(), 0 if dres is None else dres.data_ptr())
+                      rstd.numel(), d, _CODES[x.dtype], _threads(), *(() if dres is None else (dres.data_ptr(),)))
     return (dx if ctx.needs_input_grad[0] else None,
             dw.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None)
 
@@ -252,7 +252,10 @@ def rms_norm_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) 
     return _RmsNormResidual.apply(x, weight, eps)
 
 
-rms_norm.with_residual = rms_norm_residual  # type: ignore[attr-defined]  # crosstrain.kernels.rms_norm_residual
+# crosstrain.kernels.rms_norm_residual; an extension built before rms_norm_bwd took `dres` (a checkout not yet
+# reinstalled) keeps the plain norm and autograd's add
+if _ext is not None and "dres" in (_ext.rms_norm_bwd.__doc__ or ""):
+    rms_norm.with_residual = rms_norm_residual  # type: ignore[attr-defined]
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
