@@ -255,3 +255,27 @@ def test_missing_extension_is_a_clear_error_and_falls_back():
     assert "reinstall" in res.stdout
     values = eval(res.stdout.split("STEP", 1)[1].strip())
     assert all(abs(v - (1 - 0.1 * 0.01) + 0.1) < 1e-5 for v in values)  # one Adam step: ~ -lr
+
+
+@pytest.mark.parametrize("cls,kw", [(FusedAdamW, dict(lr=1e-2, weight_decay=0.1)),
+                                    (FusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01))])
+def test_step_grad_scale_is_clipping_the_gradients_first(cls, kw):
+    """The training loop hands the fused optimizers the clipping factor (``step(grad_scale=...)``) instead of scaling
+    every gradient in place: the same update bit for bit, the gradients left as they are."""
+    from crosstrain.parallel.grad import clip_coefficient, clip_grad_norm_
+
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(1000, generator=g)
+    ours, theirs = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    opt_a, opt_b = cls([ours], **kw), cls([theirs], **kw)
+    assert opt_a.takes_grad_scale
+    for _ in range(3):
+        grad = torch.randn(1000, generator=g) * 5
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        norm = clip_grad_norm_([theirs], 1.0)  # scales theirs.grad in place
+        coef = float(clip_coefficient(norm, 1.0))
+        assert coef < 1.0
+        opt_a.step(grad_scale=coef)
+        opt_b.step()
+        assert torch.equal(ours.grad, grad)
+    assert torch.equal(ours.detach(), theirs.detach())

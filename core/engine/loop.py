@@ -20,6 +20,7 @@ from crosstrain import pluginmanager
 from crosstrain.engine import step as stepmod
 from crosstrain.engine.counters import Counters
 from crosstrain.engine.run import Run
+from crosstrain.parallel.grad import clip_coefficient
 
 
 def step_tokens(run: Run, micro: list[Any]) -> tuple[float, float]:
@@ -82,12 +83,22 @@ def train_step(run: Run, counters: Counters, checkpoints: Any = None) -> dict[st
     for m in trainable:  # every optimizer and clipping see gradients laid out as their params
         m.parallel.align_grads_()
     run.scaler.unscale_([p for m in trainable for p in m.params])
-    grad_norms = {m.name: float(m.parallel.clip_grad_norm_(cfg.optim.grad_clip)) for m in trainable}
+    grad_norms: dict[str, float] = {}
+    grad_scales: dict[str, float] = {}  # clipping factors the optimizer's step applies as it reads each gradient
+    for m in trainable:
+        if cfg.optim.grad_clip > 0 and getattr(m.optimizer, "takes_grad_scale", False):
+            norm = m.parallel.grad_norm()  # the fused step scales each gradient in registers: one pass fewer
+            grad_scales[m.name] = float(clip_coefficient(norm, cfg.optim.grad_clip))
+        else:
+            norm = m.parallel.clip_grad_norm_(cfg.optim.grad_clip)
+        grad_norms[m.name] = float(norm)
     grad_norm = grad_norms[primary.name]  # 0: measure only
     finite = math.isfinite(loss_value) and all(math.isfinite(g) for g in grad_norms.values())
     for m in trainable:
         assert m.optimizer is not None
-        if finite:
+        if finite and m.name in grad_scales:
+            m.optimizer.step(grad_scale=grad_scales[m.name])  # type: ignore[call-arg]
+        elif finite:
             m.optimizer.step()
         m.optimizer.zero_grad(set_to_none=True)
     run.scaler.update(finite)

@@ -12,7 +12,9 @@ __all__ = [
     "OpSpec",
     "registry",
     "rms_norm",
+    "rms_norm_residual",
     "rotary_embedding",
+    "rotary_embedding_",
     "swiglu",
     "cross_entropy",
     "linear_cross_entropy",
@@ -26,8 +28,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     return registry.call("rms_norm", x, weight, eps)
 
 
+def rms_norm_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, rms_norm(x, weight, eps))`` for an ``x`` that also feeds a residual add: an ``rms_norm`` implementation
+    with a ``with_residual`` attribute (the native CPU one) returns ``x`` through its autograd function and adds the
+    residual's gradient to ``dx`` inside its backward kernel, sparing autograd's separate add; any other runs the
+    plain op (the same values)."""
+    impl = registry.resolve("rms_norm", x, weight, eps)
+    fused = getattr(impl, "with_residual", None)
+    return fused(x, weight, eps) if fused is not None else (x, impl(x, weight, eps))
+
+
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return registry.call("rotary_embedding", x, cos, sin)
+
+
+def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotary_embedding` for a caller that owns ``x`` (nothing else reads it): an implementation with an
+    ``inplace`` attribute (the native CPU one) rotates ``x`` in place and returns it, sparing a fresh output; any
+    other returns a new tensor. Use the return value either way."""
+    impl = registry.resolve("rotary_embedding", x, cos, sin)
+    inplace = getattr(impl, "inplace", None)
+    return inplace(x, cos, sin) if inplace is not None else impl(x, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

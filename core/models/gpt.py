@@ -23,6 +23,7 @@ from torch import nn
 from crosstrain import kernels
 from crosstrain.generation.cache import StaticKVCache
 from crosstrain.models.attention_masks import AttentionMask, attention, masked_attention, softcap_scores
+from crosstrain.models.fused_linear import fusable, hookless, project, residual_linear
 from crosstrain.models.qk_norm import HeadNorm, ProjectionNorm, head_norm_style, projection_norm_style
 from crosstrain.models.rope import rope_tables
 
@@ -128,22 +129,31 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         (nn.init.zeros_ if self.plus_one else nn.init.ones_)(self.weight)
 
+    def with_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, self(x))`` for an ``x`` that also feeds a residual add: the two gradients of ``x`` are summed in
+        the norm's backward kernel where it offers that (:func:`crosstrain.kernels.rms_norm_residual`)."""
+        if self.plus_one or not hookless(self):
+            return x, self(x)
+        return kernels.rms_norm_residual(x, self.weight, self.eps)
+
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, owned: bool = False) -> torch.Tensor:
     """The rotary kernel on ``x [B, T, H, D]`` with shared ``[T, R/2]`` tables, or per-row ``[B, T, R/2]`` ones
     (packed documents): those are applied on ``[B*T, H, D]`` so every kernel sees its documented 2-D tables.
     Tables narrower than the head (``R < D``, partial rotary) turn the first ``R`` channels and pass the rest, as
-    transformers' Phi-3 ``apply_rotary_pos_emb`` does."""
+    transformers' Phi-3 ``apply_rotary_pos_emb`` does. ``owned``: nothing else reads ``x`` (a fresh projection), so
+    the kernel may rotate it in place (:func:`crosstrain.kernels.rotary_embedding_`)."""
     rotary = 2 * cos.shape[-1]
     if rotary < x.shape[-1]:
         return torch.cat((_rotary(x[..., :rotary].contiguous(), cos, sin), x[..., rotary:]), dim=-1)
+    rotate = kernels.rotary_embedding_ if owned else kernels.rotary_embedding
     if cos.dim() == 2:
-        return kernels.rotary_embedding(x, cos, sin)
+        return rotate(x, cos, sin)
     b, t, h, d = x.shape
-    flat = kernels.rotary_embedding(x.reshape(b * t, h, d), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
+    flat = rotate(x.reshape(b * t, h, d), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
     return flat.view(b, t, h, d)
 
 
@@ -173,7 +183,9 @@ class Attention(nn.Module):
         """q, k, v ``[B, T, H, D]``: projections, q/k norms (whole projection for OLMo 2, per head for Qwen3) and
         rotary embeddings, in transformers' order."""
         bsz, seqlen, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        projections = (self.wq, self.wk, self.wv)
+        owned = fusable(x, projections) and self.q_norm is None  # q and k: project's own fresh outputs
+        q, k, v = project(x, projections)
         if isinstance(self.q_norm, ProjectionNorm):
             q, k = self.q_norm(q), cast(ProjectionNorm, self.k_norm)(k)
         q = q.view(bsz, seqlen, -1, self.head_dim)
@@ -182,14 +194,15 @@ class Attention(nn.Module):
         if isinstance(self.q_norm, HeadNorm):
             q, k = self.q_norm(q), cast(HeadNorm, self.k_norm)(k)
         if self.rotary:
-            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+            q, k = _rotary(q, cos, sin, owned), _rotary(k, cos, sin, owned)
         return q, k, v
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,
-        mask: AttentionMask | None = None,
+        mask: AttentionMask | None = None, residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """``mask`` (None: causal) says who sees whom: a sliding window, packed documents; see
-        :mod:`crosstrain.models.attention_masks`."""
+        :mod:`crosstrain.models.attention_masks`. With ``residual`` the output is ``residual + attention``, the
+        addition done by ``wo``'s GEMM (:func:`crosstrain.models.fused_linear.residual_linear`)."""
         bsz, seqlen, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
@@ -214,7 +227,7 @@ class Attention(nn.Module):
         else:  # a window, packed documents or Gemma's scale/soft-capping
             out = attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
-        return self.wo(out), present
+        return (self.wo(out) if residual is None else residual_linear(residual, out, self.wo)), present
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
                        layer: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -245,10 +258,14 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)  # down
         self.act = cfg.mlp_act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated MLP; with ``residual``, ``residual + mlp(x)`` with the addition done by ``w2``'s GEMM."""
+        gate, up = project(x, (self.w1, self.w3))
         if self.act == "gelu_tanh":  # GeGLU (Shazeer 2020) with tanh-approximated GELU, as Gemma's MLP
-            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
-        return self.w2(kernels.swiglu(self.w1(x), self.w3(x)))
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = kernels.swiglu(gate, up)
+        return self.w2(hidden) if residual is None else residual_linear(residual, hidden, self.w2)
 
     def tp_plan(self) -> dict[str, Any]:
         """Gate and up column-parallel (``hidden / tp`` columns per rank), down row-parallel (all-reduced)."""
@@ -282,9 +299,18 @@ class Block(nn.Module):
             attn, present = self.attention(x, cos, sin, past, mask)
             h = x + self.attention_norm(attn)
             return h + self.ffn_norm(self.feed_forward(h)), present
-        attn, present = self.attention(self.attention_norm(x), cos, sin, past, mask)
-        h = x + self._post(self.post_attention_norm, attn)
-        return h + self._post(self.post_ffn_norm, self.feed_forward(self.ffn_norm(h))), present
+        # the residual adds happen inside the output projections' GEMMs and x's two gradients meet in the norms'
+        # backward kernels (crosstrain.models.fused_linear, RMSNorm.with_residual) where nothing else is in between
+        x, normed = self.attention_norm.with_residual(x)
+        if self.post_attention_norm is None and type(self.attention) is Attention and hookless(self.attention):
+            h, present = self.attention(normed, cos, sin, past, mask, residual=x)
+        else:
+            attn, present = self.attention(normed, cos, sin, past, mask)
+            h = x + self._post(self.post_attention_norm, attn)
+        h, normed = self.ffn_norm.with_residual(h)
+        if self.post_ffn_norm is None and type(self.feed_forward) is FeedForward and hookless(self.feed_forward):
+            return self.feed_forward(normed, residual=h), present
+        return h + self._post(self.post_ffn_norm, self.feed_forward(normed)), present
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
                        layer: int, mask: torch.Tensor | None) -> torch.Tensor:

@@ -81,6 +81,12 @@ def _total_norm(groups: dict[Any, list[torch.Tensor]], pp_group: Any = None,
     return total_sq.sqrt()
 
 
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor clipping multiplies gradients by, ``min(1, max_norm / (norm + 1e-6))`` (torch.nn.utils'
+    ``clip_grad_norm_``), an fp32 scalar on ``total``'s device."""
+    return (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+
+
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, pp_group: Any = None,
                     device: torch.device | None = None) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm before clipping.
@@ -91,7 +97,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, pp_group: A
     total = _total_norm(groups, pp_group, device)
     if max_norm is None or max_norm <= 0:
         return total
-    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    coef = clip_coefficient(total, max_norm)
     for grads in groups.values():
         c = coef.to(grads[0].device)
         torch._foreach_mul_(grads, c)

@@ -68,14 +68,38 @@ class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w, rstd = ctx.saved_tensors
-        dy = dy.to(x.dtype).contiguous()
-        d = x.shape[-1]
-        dx = torch.empty_like(x)
-        dw = torch.empty(d, dtype=torch.float32)
-        _ext.rms_norm_bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
-                          rstd.numel(), d, _CODES[x.dtype], _threads())
-        return (dx if ctx.needs_input_grad[0] else None,
-                dw.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None)
+        return _rms_backward(ctx, x, w, rstd, dy)
+
+
+class _RmsNormResidual(torch.autograd.Function):
+    """``(x, rms_norm(x))``: ``x`` passes through as an output, so the gradient of its other use (the residual
+    branch) reaches this backward, and the kernel adds it to ``dx`` in its pass over each row instead of autograd
+    adding the two afterwards."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        return x, _RmsNorm.forward(ctx, x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, dres: torch.Tensor | None, dy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        x, w, rstd = ctx.saved_tensors
+        if dy is None:
+            return dres, None, None
+        dres = None if dres is None else dres.to(x.dtype).contiguous()
+        return _rms_backward(ctx, x, w, rstd, dy, dres)
+
+
+def _rms_backward(ctx: Any, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
+                  dres: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    dy = dy.to(x.dtype).contiguous()
+    d = x.shape[-1]
+    dx = torch.empty_like(x)
+    dw = torch.empty(d, dtype=torch.float32)
+    _ext.rms_norm_bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
+                      rstd.numel(), d, _CODES[x.dtype], _threads(), *(() if dres is None else (dres.data_ptr(),)))
+    return (dx if ctx.needs_input_grad[0] else None,
+            dw.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None)
 
 
 class _Rotary(torch.autograd.Function):
@@ -92,9 +116,25 @@ class _Rotary(torch.autograd.Function):
         return _rotate(dy.contiguous(), c, s, -1.0), None, None
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+class _RotaryInplace(torch.autograd.Function):
+    """:class:`_Rotary` writing over ``x`` (each pair ``x[i], x[i + D/2]`` is read before it is written): no fresh
+    output for a caller that owns ``x``; the backward is :class:`_Rotary`'s."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = cos.detach().float().contiguous()
+        s = sin.detach().float().contiguous()
+        ctx.save_for_backward(c, s)
+        ctx.mark_dirty(x)
+        return _rotate(x, c, s, 1.0, out=x)
+
+    backward = _Rotary.backward
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     seq, heads, d = x.shape[-3], x.shape[-2], x.shape[-1]
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
     _ext.rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, seq, heads, d, sign,
                 _CODES[x.dtype], _threads())
     return y
@@ -207,9 +247,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     return _RmsNorm.apply(x, weight, eps)
 
 
+def rms_norm_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, rms_norm(x, weight, eps))`` with ``x``'s two gradients summed in the norm's backward kernel."""
+    return _RmsNormResidual.apply(x, weight, eps)
+
+
+# crosstrain.kernels.rms_norm_residual; an extension built before rms_norm_bwd took `dres` (a checkout not yet
+# reinstalled) keeps the plain norm and autograd's add
+if _ext is not None and "dres" in (_ext.rms_norm_bwd.__doc__ or ""):
+    rms_norm.with_residual = rms_norm_residual  # type: ignore[attr-defined]
+
+
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Native :func:`crosstrain.kernels.reference.rotary_embedding` on ``[..., T, H, D]``."""
     return _Rotary.apply(x, cos, sin)
+
+
+def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotary_embedding` in place on ``x`` (returns ``x``)."""
+    return _RotaryInplace.apply(x, cos, sin)
+
+
+rotary_embedding.inplace = rotary_embedding_  # type: ignore[attr-defined]  # crosstrain.kernels.rotary_embedding_
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -82,17 +82,24 @@ class _FusedBase(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         restore_fp32_state(self, state_dict, self._fp32_keys)
 
+    #: :meth:`step` takes ``grad_scale``: the training loop hands it the clipping factor instead of scaling the
+    #: gradients in place (the kernel multiplies each gradient as it loads it, in fp32)
+    takes_grad_scale = True
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, grad_scale: float = 1.0) -> Any:
+        """One update of every parameter with a gradient, read as ``grad * grad_scale`` (the gradients are left
+        as they are)."""
         loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(group, p, self._grad(p), self.state[p])
+                    self._update(group, p, self._grad(p), self.state[p], float(grad_scale))
         return loss
 
-    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
-        """One parameter's update from its process-local gradient."""
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                grad_scale: float) -> None:
+        """One parameter's update from its process-local gradient times ``grad_scale``."""
         raise NotImplementedError
 
 
@@ -126,7 +133,8 @@ class FusedAdamW(_FusedBase):
                         maximize=maximize)
         super().__init__(params, defaults)
 
-    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                grad_scale: float) -> None:
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = self._zeros(p)
@@ -142,7 +150,7 @@ class FusedAdamW(_FusedBase):
             "adamw_step", master, grad, local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]),
             None if max_sq is None else local_tensor(max_sq), out,
             step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], maximize=group["maximize"],
+            weight_decay=group["weight_decay"], maximize=group["maximize"], grad_scale=grad_scale,
         )
 
 
@@ -174,7 +182,8 @@ class FusedSGD(_FusedBase):
                         maximize=maximize)
         super().__init__(params, defaults)
 
-    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                grad_scale: float) -> None:
         master, out = self._master_and_out(p, state)
         momentum = group["momentum"]
         first = False
@@ -188,5 +197,5 @@ class FusedSGD(_FusedBase):
         registry.call(
             "sgd_step", master, grad, buf, out, lr=group["lr"], momentum=momentum,
             dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-            first_step=first, maximize=group["maximize"],
+            first_step=first, maximize=group["maximize"], grad_scale=grad_scale,
         )

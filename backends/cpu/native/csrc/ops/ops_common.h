@@ -15,6 +15,7 @@ struct RmsArgs {
   float* rstd;       // [rows]: 1 / sqrt(mean(x^2) + eps), written by forward, read by backward
   int64_t d;
   float eps;
+  const void* dres = nullptr;  // backward: a gradient added to dx (x also feeds a residual branch), or null
 };
 
 struct RopeArgs {

@@ -63,7 +63,8 @@ static inline float sigmoid(float x) { return 1.0f / (1.0f + ct_exp(-x)); }
 // ---------------------------------------------------------------------------------------------- rms_norm
 // y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019, "Root Mean Square Layer
 // Normalization"); backward with xhat = x * rstd, g = dy * w:
-//   dx = rstd * (g - xhat * mean(g * xhat)),   dw = sum over rows of dy * xhat.
+//   dx = rstd * (g - xhat * mean(g * xhat)),   dw = sum over rows of dy * xhat;
+// with dres (the gradient of x's other use, a residual branch) dx += dres in the same pass over the row.
 template <class T>
 void rms_fwd(const void* pa, int64_t begin, int64_t end, float*) {
   const RmsArgs& a = *static_cast<const RmsArgs*>(pa);
@@ -105,6 +106,11 @@ void rms_bwd(const void* pa, int64_t begin, int64_t end, float* dw) {
       const float xh = El<T>::get(x, i) * rs;
       El<T>::put(dx, i, rs * (g * w[i] - xh * c));
       dw[i] += g * xh;
+    }
+    if (a.dres) {  // dx rounded to T, then the sum rounded again: what autograd's separate add computes
+      const T* dr = static_cast<const T*>(a.dres) + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) El<T>::put(dx, i, El<T>::get(dx, i) + El<T>::get(dr, i));
     }
   }
 }

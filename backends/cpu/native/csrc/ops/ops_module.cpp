@@ -90,8 +90,9 @@ void rms_norm_fwd(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, std::uin
 }
 
 void rms_norm_bwd(std::uintptr_t dy, std::uintptr_t x, std::uintptr_t w, std::uintptr_t rstd, std::uintptr_t dx,
-                  std::uintptr_t dw, int64_t rows, int64_t d, int dtype, int threads) {
-  RmsArgs a{ptr<const void>(x), ptr<const float>(w), ptr<const void>(dy), ptr<void>(dx), ptr<float>(rstd), d, 0.f};
+                  std::uintptr_t dw, int64_t rows, int64_t d, int dtype, int threads, std::uintptr_t dres) {
+  RmsArgs a{ptr<const void>(x), ptr<const float>(w), ptr<const void>(dy), ptr<void>(dx), ptr<float>(rstd), d, 0.f,
+            ptr<const void>(dres)};
   const int nt = plan_threads(rows, d, threads);
   std::vector<float> partial(static_cast<size_t>(nt * d), 0.0f);  // one dw row per thread, summed below
   run_rows(g_ops->rms_bwd[dtype_index(dtype)], &a, rows, nt, partial.data(), d);
@@ -196,7 +197,9 @@ PYBIND11_MODULE(_kernels, m) {
   set_isa(forced && *forced ? forced : "auto");
   using guard = py::call_guard<py::gil_scoped_release>;
   m.def("rms_norm_fwd", &rms_norm_fwd, guard(), "y = rms_norm(x) * w; writes rstd per row.");
-  m.def("rms_norm_bwd", &rms_norm_bwd, guard(), "dx and the fp32 dw of rms_norm.");
+  m.def("rms_norm_bwd", &rms_norm_bwd, guard(), py::arg("dy"), py::arg("x"), py::arg("w"), py::arg("rstd"),
+        py::arg("dx"), py::arg("dw"), py::arg("rows"), py::arg("d"), py::arg("dtype"), py::arg("threads"),
+        py::arg("dres") = 0, "dx (plus dres where given: x's gradient from a residual branch) and the fp32 dw.");
   m.def("rotary", &rotary, guard(), "Rotate-half RoPE by +angle (sign 1) or -angle (sign -1).");
   m.def("swiglu_fwd", &swiglu_fwd, guard(), "silu(gate) * up.");
   m.def("swiglu_bwd", &swiglu_bwd, guard(), "d gate and d up of silu(gate) * up.");
