@@ -8,6 +8,7 @@ On a group of one the reduced path is torch.ao's fused quantiser bit for bit; a 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -99,6 +100,7 @@ def test_reduced_path_is_torch_ao_bit_for_bit_on_a_group_of_one(tmp_path) -> Non
     _group_of_one(tmp_path)
     try:
         ours.apply_data_parallel(dist.group.WORLD)
+        assert copy.deepcopy(ours).dp_group is dist.group.WORLD  # a copy shares the group (which cannot be copied)
         torch.manual_seed(0)
         for step, spread in enumerate((1.0, 4.0, 0.5, 2.0, 3.0)):
             if step == 4:  # eval: ranges frozen (the conv layers' train() disables the observers likewise)

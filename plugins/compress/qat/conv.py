@@ -43,6 +43,16 @@ WEIGHT_FAKE_QUANT = FakeQuantize.with_args(observer=MovingAveragePerChannelMinMa
                                            eps=2**-12)
 
 
+class _Shared:
+    """A reference that ``copy.deepcopy`` shares instead of copying (a ``ProcessGroup`` cannot be copied)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
+        return self
+
+
 class GlobalRangeActFakeQuant(FusedMovingAvgObsFakeQuantize):
     """torch.ao's fused activation fake quantiser whose moving-average observer sees the data-parallel batch's range.
 
@@ -54,11 +64,16 @@ class GlobalRangeActFakeQuant(FusedMovingAvgObsFakeQuantize):
     and zero point from the running min/max, as the single observing call does; ``fused_obs_fake_quant.cpp``).
     """
 
-    dp_group: Any = None
+    _dp: _Shared | None = None
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel process group whose batch the observer sees; None: this process's batch only."""
+        return None if self._dp is None else self._dp.value
 
     def apply_data_parallel(self, group: Any) -> None:
         """Observe the batch of every rank in ``group`` (the protocol of :mod:`crosstrain.parallel.batch_stats`)."""
-        self.dp_group = group
+        self._dp = _Shared(group)
 
     def _fused(self, x: torch.Tensor, observe: torch.Tensor, fake_quant: torch.Tensor) -> torch.Tensor:
         obs = self.activation_post_process
