@@ -61,6 +61,20 @@ def dp_mesh(mesh: Any, dims: ParallelDims) -> Any:
     return mesh["dp_replicate"]
 
 
+def dp_group(mesh: Any, dims: ParallelDims) -> Any:
+    """The process group of every data-parallel rank that holds this rank's tp/pp position (``dp_replicate x
+    dp_shard``, whose ``dp_shard`` includes the ``ep`` ranks): the ranks whose batches make the global batch. None
+    when the data-parallel degree is 1 (a one-process run included)."""
+    if mesh is None or dims.dp_degree == 1:
+        return None
+    if dims.dp_replicate == 1:
+        return _shard_mesh(mesh, dims).get_group()
+    if dims.dp_shard == 1:
+        return mesh["dp_replicate"].get_group()
+    physical = ("dp_replicate", "dp_shard") if dims.ep == 1 else ("dp_replicate", "dp_shard_out", "ep")
+    return mesh[physical]._flatten("dp").get_group()
+
+
 def ep_mesh(mesh: Any, dims: ParallelDims) -> Any:
     """The 1-D expert-parallel sub-mesh (the ranks that exchange tokens), or None when ``ep == 1`` or no mesh."""
     if mesh is None or dims.ep == 1:

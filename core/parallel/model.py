@@ -24,9 +24,10 @@ from crosstrain.parallel import grad as gradmod
 from crosstrain.parallel import plan as planmod
 from crosstrain.parallel import pp as ppmod
 from crosstrain.parallel import state as statemod
+from crosstrain.parallel.batch_stats import apply_data_parallel
 from crosstrain.parallel.dims import ParallelDims
 from crosstrain.parallel.ep import apply_ep, check_expert_model, expert_modules
-from crosstrain.parallel.mesh import ep_mesh, fsdp_mesh
+from crosstrain.parallel.mesh import dp_group, ep_mesh, fsdp_mesh
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -280,8 +281,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
 
     Order as in torchtitan: pipeline split, tensor parallel, expert parallel (``parallel.ep > 1``, see
     :mod:`crosstrain.parallel.ep`), activation checkpointing, per-block compile, then FSDP2 (HSDP when both dp
-    dims > 1) or DDP. Parameters are kept in fp32 (the master weights); ``precision`` bf16/fp16 computes in low
-    precision through FSDP's MixedPrecisionPolicy when sharded, through autocast on ``device``'s type otherwise.
+    dims > 1) or DDP; then a trainable model's batch-statistics modules get the data-parallel group
+    (:mod:`crosstrain.parallel.batch_stats`). Parameters are kept in fp32 (the master weights); ``precision``
+    bf16/fp16 computes in low precision through FSDP's MixedPrecisionPolicy when sharded, through autocast on
+    ``device``'s type otherwise.
     ``pp_microbatches <= 0`` means ``pp``. ``compile`` True compiles each block with torch.compile's default
     backend; a string names the dynamo backend.
 
@@ -357,6 +360,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.d
             dp.apply_fsdp(model, fsdp_mesh(mesh, dims), precision=precision, reshard_after_forward=dims.pp == 1,
                           units=planmod.units(model))
             use_fsdp = True
+        if trainable:  # batch statistics (QAT activation ranges) over the whole data-parallel batch
+            apply_data_parallel(model, dp_group(mesh, dims))
 
     if dims.pp > 1:
         microbatches = pp_microbatches if pp_microbatches > 0 else dims.pp

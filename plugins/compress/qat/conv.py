@@ -11,8 +11,10 @@ conv is the one a PyTorch user knows (``torch.ao.nn.qat.Conv2d`` + ``get_default
   ``fused_per_channel_wt_fake_quant_range_neg_127_to_127`` of torch's default QAT qconfig: its C++ qparams give a
   channel whose weights are all of one sign a zero point of -127 (measured after 100 steps on the digits), which
   onnxruntime's int8 ``QLinearConv`` cannot take;
-- activations: ``default_fused_act_fake_quant``: per-tensor asymmetric uint8 [0, 255] (onnxruntime's U8S8, the
-  fast x86 form), ranges from a moving average of the observed min/max.
+- activations: :class:`GlobalRangeActFakeQuant`, torch.ao's ``default_fused_act_fake_quant`` (the same fused op and
+  arguments): per-tensor asymmetric uint8 [0, 255] (onnxruntime's U8S8, the fast x86 form), ranges from a moving
+  average of the observed min/max -- under data parallelism the min/max of the whole data-parallel batch, so N ranks
+  keep the ranges one process keeps.
 
 Quantised where onnxruntime's static QDQ quantizer quantises (it turns ``DQ -> Conv -> Q`` into ``QLinearConv``):
 a layer's input, its weight, and a convolution's output; a linear layer's output stays float (the logits, the
@@ -26,10 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.ao.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase, default_fused_act_fake_quant
-from torch.ao.quantization.observer import MovingAveragePerChannelMinMaxObserver
+from torch.ao.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase, FusedMovingAvgObsFakeQuantize
+from torch.ao.quantization.observer import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
 
 from crosstrain.errors import ConfigError
 from crosstrain.plugins.compress.qat.schemes import Scheme
@@ -38,6 +41,65 @@ from crosstrain.plugins.compress.qat.schemes import Scheme
 WEIGHT_FAKE_QUANT = FakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-127,
                                            quant_max=127, dtype=torch.qint8, qscheme=torch.per_channel_symmetric,
                                            eps=2**-12)
+
+
+class _Shared:
+    """A reference that ``copy.deepcopy`` shares instead of copying (a ``ProcessGroup`` cannot be copied)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
+        return self
+
+
+class GlobalRangeActFakeQuant(FusedMovingAvgObsFakeQuantize):
+    """torch.ao's fused activation fake quantiser whose moving-average observer sees the data-parallel batch's range.
+
+    Without a group (one process, or before :meth:`apply_data_parallel`) ``forward`` is torch.ao's, unchanged. With
+    one, each observing forward all-reduces this rank's ``(-min, max)`` (one MAX: the min of the ranks' minima is
+    the global minimum), then runs torch.ao's own fused op twice: observing only, on the two-element tensor
+    ``[global min, global max]`` (whose ``aminmax`` is what one process's would be on the whole batch, so the
+    moving average takes the same step), then fake-quantising ``x`` with the observer off (the op derives the scale
+    and zero point from the running min/max, as the single observing call does; ``fused_obs_fake_quant.cpp``).
+    """
+
+    _dp: _Shared | None = None
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel process group whose batch the observer sees; None: this process's batch only."""
+        return None if self._dp is None else self._dp.value
+
+    def apply_data_parallel(self, group: Any) -> None:
+        """Observe the batch of every rank in ``group`` (the protocol of :mod:`crosstrain.parallel.batch_stats`)."""
+        self._dp = _Shared(group)
+
+    def _fused(self, x: torch.Tensor, observe: torch.Tensor, fake_quant: torch.Tensor) -> torch.Tensor:
+        obs = self.activation_post_process
+        return torch.fused_moving_avg_obs_fake_quant(x, observe, fake_quant, obs.min_val, obs.max_val, self.scale,
+                                                     self.zero_point, obs.averaging_constant, obs.quant_min,
+                                                     obs.quant_max, self.ch_axis, self.is_per_channel,
+                                                     self.is_symmetric_quant)
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is None or not int(self.observer_enabled[0]):
+            return super().forward(X)
+        lo, hi = torch.aminmax(X.detach())
+        ends = torch.stack([-lo, hi]).float()
+        on_host = dist.get_backend(self.dp_group) == "gloo" and ends.device.type != "cpu"
+        reduced = ends.cpu() if on_host else ends
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.dp_group)
+        ends = reduced.to(X.device).to(X.dtype)
+        off = torch.zeros_like(self.observer_enabled)
+        with torch.no_grad():
+            self._fused(torch.stack([-ends[0], ends[1]]), self.observer_enabled, off)
+        return self._fused(X, off, self.fake_quant_enabled)
+
+
+#: the activations' fake quantiser: torch.ao's ``default_fused_act_fake_quant`` (same arguments), global ranges
+ACT_FAKE_QUANT = GlobalRangeActFakeQuant.with_args(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
+                                                   dtype=torch.quint8)
 #: the scheme the conv path implements (int4 weights would need onnxruntime's MatMulNBits, which has no conv)
 CONV_SCHEMES = ("int8",)
 
@@ -113,10 +175,10 @@ def quantize_convnet(model: nn.Module, scheme: Scheme, what: str = "the model") 
         conv = isinstance(m, nn.Conv2d)
         m.__class__ = FakeQuantConv2d if conv else FakeQuantStaticLinear
         device = m.weight.device
-        m.add_module("input_fake_quant", default_fused_act_fake_quant().to(device))
+        m.add_module("input_fake_quant", ACT_FAKE_QUANT().to(device))
         m.add_module("weight_fake_quant", WEIGHT_FAKE_QUANT().to(device))
         if conv:
-            m.add_module("output_fake_quant", default_fused_act_fake_quant().to(device))
+            m.add_module("output_fake_quant", ACT_FAKE_QUANT().to(device))
         m.qat_enabled = True  # type: ignore[assignment]
         m.train(m.training)  # type: ignore[operator]
     return list(layers)
