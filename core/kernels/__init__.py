@@ -14,7 +14,6 @@ __all__ = [
     "rms_norm",
     "rms_norm_residual",
     "rotary_embedding",
-    "rotary_embedding_",
     "swiglu",
     "cross_entropy",
     "linear_cross_entropy",
@@ -40,15 +39,6 @@ def rms_norm_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return registry.call("rotary_embedding", x, cos, sin)
-
-
-def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotary_embedding` for a caller that owns ``x`` (nothing else reads it): an implementation with an
-    ``inplace`` attribute (the native CPU one) rotates ``x`` in place and returns it, sparing a fresh output; any
-    other returns a new tensor. Use the return value either way."""
-    impl = registry.resolve("rotary_embedding", x, cos, sin)
-    inplace = getattr(impl, "inplace", None)
-    return inplace(x, cos, sin) if inplace is not None else impl(x, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

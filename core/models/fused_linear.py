@@ -25,10 +25,9 @@ from torch.nn.modules import module as _module
 class _SharedInputLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x, *weights)
-        # F.linear's own call (matmul folds x to 2-D for one mm); its outputs are no views, so a caller that owns them
-        # may rotate them in place (crosstrain.kernels.rotary_embedding_)
-        return tuple(torch.matmul(x, w.t()) for w in weights)
+        return tuple(torch.mm(rows, w.t()).view(*x.shape[:-1], w.shape[0]) for w in weights)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

@@ -23,7 +23,7 @@ from torch import nn
 from crosstrain import kernels
 from crosstrain.generation.cache import StaticKVCache
 from crosstrain.models.attention_masks import AttentionMask, attention, masked_attention, softcap_scores
-from crosstrain.models.fused_linear import fusable, hookless, project, residual_linear
+from crosstrain.models.fused_linear import hookless, project, residual_linear
 from crosstrain.models.qk_norm import HeadNorm, ProjectionNorm, head_norm_style, projection_norm_style
 from crosstrain.models.rope import rope_tables
 
@@ -140,20 +140,18 @@ class RMSNorm(nn.Module):
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, owned: bool = False) -> torch.Tensor:
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary kernel on ``x [B, T, H, D]`` with shared ``[T, R/2]`` tables, or per-row ``[B, T, R/2]`` ones
     (packed documents): those are applied on ``[B*T, H, D]`` so every kernel sees its documented 2-D tables.
     Tables narrower than the head (``R < D``, partial rotary) turn the first ``R`` channels and pass the rest, as
-    transformers' Phi-3 ``apply_rotary_pos_emb`` does. ``owned``: nothing else reads ``x`` (a fresh projection), so
-    the kernel may rotate it in place (:func:`crosstrain.kernels.rotary_embedding_`)."""
+    transformers' Phi-3 ``apply_rotary_pos_emb`` does."""
     rotary = 2 * cos.shape[-1]
     if rotary < x.shape[-1]:
         return torch.cat((_rotary(x[..., :rotary].contiguous(), cos, sin), x[..., rotary:]), dim=-1)
-    rotate = kernels.rotary_embedding_ if owned else kernels.rotary_embedding
     if cos.dim() == 2:
-        return rotate(x, cos, sin)
+        return kernels.rotary_embedding(x, cos, sin)
     b, t, h, d = x.shape
-    flat = rotate(x.reshape(b * t, h, d), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
+    flat = kernels.rotary_embedding(x.reshape(b * t, h, d), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
     return flat.view(b, t, h, d)
 
 
@@ -183,9 +181,7 @@ class Attention(nn.Module):
         """q, k, v ``[B, T, H, D]``: projections, q/k norms (whole projection for OLMo 2, per head for Qwen3) and
         rotary embeddings, in transformers' order."""
         bsz, seqlen, _ = x.shape
-        projections = (self.wq, self.wk, self.wv)
-        owned = fusable(x, projections) and self.q_norm is None  # q and k: project's own fresh outputs
-        q, k, v = project(x, projections)
+        q, k, v = project(x, (self.wq, self.wk, self.wv))
         if isinstance(self.q_norm, ProjectionNorm):
             q, k = self.q_norm(q), cast(ProjectionNorm, self.k_norm)(k)
         q = q.view(bsz, seqlen, -1, self.head_dim)
@@ -194,7 +190,7 @@ class Attention(nn.Module):
         if isinstance(self.q_norm, HeadNorm):
             q, k = self.q_norm(q), cast(HeadNorm, self.k_norm)(k)
         if self.rotary:
-            q, k = _rotary(q, cos, sin, owned), _rotary(k, cos, sin, owned)
+            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         return q, k, v
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KVCache | None = None,

@@ -116,25 +116,9 @@ class _Rotary(torch.autograd.Function):
         return _rotate(dy.contiguous(), c, s, -1.0), None, None
 
 
-class _RotaryInplace(torch.autograd.Function):
-    """:class:`_Rotary` writing over ``x`` (each pair ``x[i], x[i + D/2]`` is read before it is written): no fresh
-    output for a caller that owns ``x``; the backward is :class:`_Rotary`'s."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        c = cos.detach().float().contiguous()
-        s = sin.detach().float().contiguous()
-        ctx.save_for_backward(c, s)
-        ctx.mark_dirty(x)
-        return _rotate(x, c, s, 1.0, out=x)
-
-    backward = _Rotary.backward
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     seq, heads, d = x.shape[-3], x.shape[-2], x.shape[-1]
-    y = torch.empty_like(x) if out is None else out
+    y = torch.empty_like(x)
     _ext.rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, seq, heads, d, sign,
                 _CODES[x.dtype], _threads())
     return y
@@ -261,14 +245,6 @@ if _ext is not None and "dres" in (_ext.rms_norm_bwd.__doc__ or ""):
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Native :func:`crosstrain.kernels.reference.rotary_embedding` on ``[..., T, H, D]``."""
     return _Rotary.apply(x, cos, sin)
-
-
-def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotary_embedding` in place on ``x`` (returns ``x``)."""
-    return _RotaryInplace.apply(x, cos, sin)
-
-
-rotary_embedding.inplace = rotary_embedding_  # type: ignore[attr-defined]  # crosstrain.kernels.rotary_embedding_
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
