@@ -32,6 +32,7 @@ def rms_norm_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) 
     with a ``with_residual`` attribute (the native CPU one) returns ``x`` through its autograd function and adds the
     residual's gradient to ``dx`` inside its backward kernel, sparing autograd's separate add; any other runs the
     plain op (the same values)."""
+    x, weight = registry.plain_args(x, weight)  # the kernel call() would pick (a pending collective: a plain copy)
     impl = registry.resolve("rms_norm", x, weight, eps)
     fused = getattr(impl, "with_residual", None)
     return fused(x, weight, eps) if fused is not None else (x, impl(x, weight, eps))

@@ -195,8 +195,14 @@ class KernelRegistry:
         return spec.reference
 
     def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        args = tuple(_waited(a) for a in args)
+        args = self.plain_args(*args)
         return self.resolve(op, *args, **kwargs)(*args, **kwargs)
+
+    @staticmethod
+    def plain_args(*args: Any) -> tuple[Any, ...]:
+        """``args`` as :meth:`call` hands them to a kernel (pending collectives as plain tensors): a caller that
+        resolves an implementation itself passes them through this first, so it gets the kernel ``call`` would."""
+        return tuple(_waited(a) for a in args)
 
     # -- population -------------------------------------------------------------------------------
     def _unknown(self, op: str) -> str:
