@@ -15,7 +15,7 @@ plain call would treat differently (biases, hooks, parametrized or subclassed li
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -97,8 +97,11 @@ class _ResidualLinear(torch.autograd.Function):
 def residual_linear(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     """``residual + linear(x)``, the addition done by the GEMM when :func:`fusable` (and ``residual`` has the
     output's shape and dtype)."""
-    weight = linear.weight
-    if not (fusable(x, (linear,)) and isinstance(weight, torch.Tensor) and type(residual) is torch.Tensor
-            and residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], weight.shape[0])):
+    # fusable first: it admits plain nn.Linear only, so a module swapped in for it (one without .weight) is called
+    if not fusable(x, (linear,)):
+        return residual + linear(x)
+    weight = cast(torch.Tensor, linear.weight)
+    if not (type(residual) is torch.Tensor and residual.dtype == x.dtype
+            and residual.shape == (*x.shape[:-1], weight.shape[0])):
         return residual + linear(x)
     return _ResidualLinear.apply(residual, x, weight)
