@@ -28,8 +28,9 @@ MAX_SIGNAL_S = 65535
 #: Slurm may send the ``--signal`` up to this much earlier than asked (sbatch(1)); a signal that comes while the
 #: tasks still start up stops them before they can save
 SIGNAL_EARLY_S = 60
-#: the default port of the rendezvous: this plus the job id modulo PORT_SPAN, so two jobs on one node differ
-PORT_BASE, PORT_SPAN = 15000, 20000
+#: the default port of the rendezvous: this plus the job id modulo PORT_SPAN, so two jobs on one node differ;
+#: 12000..31999 stays below Linux's default ephemeral range (32768-60999), which outgoing connections draw from
+PORT_BASE, PORT_SPAN = 12000, 20000
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Slurm's time formats (sbatch(1) --time): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S

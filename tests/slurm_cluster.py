@@ -7,6 +7,7 @@ foreground (``-D``/``-F``) as a child process, with a generated ``slurm.conf`` a
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -72,6 +73,25 @@ class SlurmCluster:
     nodes: list[str] = field(default_factory=list)  # the nodes that came up idle
     procs: list[subprocess.Popen] = field(default_factory=list)
 
+    ports_given: set[int] = field(default_factory=set)
+
+    def job_port(self) -> int:
+        """A free rendezvous port for one job, outside the kernel's ephemeral range and new in this session. The
+        port is chosen at submit and bound seconds later when the job starts; one from the ephemeral range (what
+        ``free_port`` gives) can meanwhile be taken by any outgoing connection or ``bind(0)`` on the host, such
+        as the gloo pairs of the runs beside the job."""
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        candidates = [port for port in range(10000, 32768) if not low <= port <= high and port not in self.ports_given]
+        for port in random.sample(candidates, min(50, len(candidates))):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+            self.ports_given.add(port)
+            return port
+        raise AssertionError("no free port in 10000..32767 outside ip_local_port_range")
+
     def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         proc = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
@@ -95,7 +115,10 @@ class SlurmCluster:
             if info.get("JobState") in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
                 break
             time.sleep(0.2)
-        raise AssertionError(f"job {job_id} is {info.get('JobState')}, not {states}: {info}\n{self.logs()}")
+        out = Path(info.get("StdOut", ""))
+        job_log = out.read_text()[-3000:] if out.is_file() else f"(no job log at {out})"
+        raise AssertionError(f"job {job_id} is {info.get('JobState')}, not {states}; its log ends:\n{job_log}\n"
+                             f"--- scontrol show job\n{info}\n{self.logs()}")
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n" + p.read_text()[-2000:] for p in sorted((self.root / "log").glob("*.log")))

@@ -24,7 +24,6 @@ import pytest
 import slurm_cluster
 
 from crosstrain.cli.main import main
-from crosstrain.collective import free_port
 
 # 120 steps of a few ms each: long enough that a signal sent after step 3 lands mid-run, short for CI
 OPTS = ["train.steps=120", "train.batch_size=4", "train.seq_len=32", "parallel.dp_replicate=2", "backend=cpu",
@@ -89,7 +88,7 @@ def _submit(slurm, folder: Path, *args: str) -> tuple[str, Path, Path]:
         for key, value in slurm.env.items():
             mp.setenv(key, value)
         mp.chdir(folder)
-        code = main(["slurm", *_sets([*OPTS, f"train.output_dir={folder}"]), "--port", str(free_port()), *args,
+        code = main(["slurm", *_sets([*OPTS, f"train.output_dir={folder}"]), "--port", str(slurm.job_port()), *args,
                      "--submit"])
     assert code == 0, out.getvalue()
     job_id = re.search(r"submitted batch job (\d+)", out.getvalue()).group(1)

@@ -76,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--signal-before", type=int, default=120, metavar="S",
                    help="seconds before the time limit to checkpoint and requeue (default 120)")
     p.add_argument("--job-name", default="crosstrain", help="job name; also the script's file name")
-    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: 15000 + job id %% 20000)")
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: 12000 + job id %% 20000)")
     p.add_argument("--run-dir", default=None,
                    help="run directory (default: <train.output_dir>/slurm-<job id>, kept across requeues)")
     p.add_argument("--script", default=None, help="where to write the script (default: <train.output_dir>/<job "
