@@ -318,6 +318,25 @@ def test_parity_failure_writes_nothing_and_backend_kernels_never_leak(
     assert list(out_dir.iterdir()) == []
 
 
+def test_staging_is_a_folder_beside_out_removed_whatever_happens(tmp_path: Path) -> None:
+    """Every ONNX exporter writes and gates in ``staging(out)``: beside ``out`` (so publishing is a rename), gone
+    after the block whether it published or raised."""
+    from crosstrain.plugins.export.onnx_export import _publish, staging
+
+    out = tmp_path / "new" / "m.onnx"
+    with staging(out, "int8") as tmp:
+        assert tmp.parent == out.parent and tmp.name.startswith(".m.onnx.int8.")
+        (tmp / "m.onnx").write_text("model")
+        (tmp / "m.onnx.data").write_text("weights")
+        assert _publish(tmp, out.name, out.parent) == [str(out) + ".data", str(out)]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.onnx", "m.onnx.data"]
+    with pytest.raises(RuntimeError, match="gate"), staging(out) as tmp:
+        (tmp / "m.onnx").write_text("half written")
+        raise RuntimeError("gate failed")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.onnx", "m.onnx.data"]
+    assert out.read_text() == "model"
+
+
 def test_safetensors_roundtrip_tied_embeddings(tmp_path: Path) -> None:
     from crosstrain.plugins.export.loading import LoadedModel, load_model, save_safetensors, tokenizer_metadata
 

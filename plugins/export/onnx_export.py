@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,24 @@ def int8_path_for(out: Path) -> Path:
     return out.with_name(out.stem + ".int8" + out.suffix)
 
 
+def check_onnx_out(out: Path) -> None:
+    """Refuse an ``--out`` that is a folder or does not end in ``.onnx``, before anything is written."""
+    if out.suffix != ".onnx" or out.is_dir():
+        raise ExportError(f"--out {out} must be a file path ending in .onnx")
+
+
+@contextlib.contextmanager
+def staging(out: Path, tag: str = "") -> Iterator[Path]:
+    """A fresh folder beside ``out`` (same filesystem, so :func:`_publish` renames), removed on exit whatever
+    happens: an export writes and gates there and publishes only what passed, so a failure leaves nothing."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.{tag + '.' if tag else ''}", dir=out.parent))
+    try:
+        yield tmp_dir
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
 def _publish(tmp_dir: Path, name: str, out_dir: Path) -> list[str]:
     """Move ``name`` and its external-data files from ``tmp_dir`` into ``out_dir``, the model file last."""
     moved = []
@@ -202,19 +221,18 @@ def export_onnx(
         raise ExportError(f"--out {out_path} must end in .onnx")
     if out_path.is_dir():
         raise ExportError(f"--out {out_path} is a folder; give a file path ending in .onnx")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     model = loaded.model.eval()
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
-    q_dir: Path | None = None
-    try:
+    with contextlib.ExitStack() as stack:
+        tmp_dir = stack.enter_context(staging(out_path))
         tmp_model = tmp_dir / out_path.name
         trace_to_onnx(model, tmp_model, metadata(loaded), opset=opset)
         parity = check_parity(model, tmp_model, tolerance=tolerance, seed=seed, label="fp32")
         report = ExportReport(str(out_path), parity)
+        q_dir: Path | None = None  # the int8 file's own folder: _publish moves every file of a folder
         if int8:
             from crosstrain.plugins.export.quantize import quantize_int8
 
-            q_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.int8.", dir=out_path.parent))
+            q_dir = stack.enter_context(staging(out_path, "int8"))
             q_path = q_dir / int8_path_for(out_path).name
             quantize_int8(tmp_model, q_path)
             report.int8_parity = check_parity(model, q_path, tolerance=int8_tolerance, seed=seed, label="int8")
@@ -223,7 +241,3 @@ def export_onnx(
         if q_dir is not None:
             report.files += _publish(q_dir, int8_path_for(out_path).name, out_path.parent)
         return report
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        if q_dir is not None:
-            shutil.rmtree(q_dir, ignore_errors=True)

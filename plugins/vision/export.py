@@ -11,9 +11,8 @@ only). The flags that do not apply to a conv net are refused in one line (docs/v
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -141,23 +140,21 @@ def export_classifier(model: ImageModel, out: Path, *, tolerance: float, opset: 
                       max_drop_points: float | None = None) -> dict[str, Any]:
     """Trace, gate and publish ``out`` (the model file renamed into place last); with ``int8`` also quantize, gate
     and publish ``<out stem>.int8.onnx`` (:mod:`.quantize`'s bounds unless given). On any failure nothing is left."""
-    from crosstrain.plugins.export.onnx_export import _publish, int8_path_for
+    from crosstrain.plugins.export.onnx_export import _publish, check_onnx_out, int8_path_for, staging
     from crosstrain.plugins.vision import quantize
 
-    if out.suffix != ".onnx" or out.is_dir():
-        raise ExportError(f"--out {out} must be a file path ending in .onnx")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    q_dir: Path | None = None  # the int8 file's own folder: _publish moves every file of a folder
+    check_onnx_out(out)
     gate: quantize.Int8Gate | None = None
-    try:
+    with contextlib.ExitStack() as stack:
+        tmp_dir = stack.enter_context(staging(out))
         trace(model, tmp_dir / out.name, opset)
         parity = check_image_parity(model, tmp_dir / out.name, tolerance)
         if not parity.passed:
             raise ParityError(f"ONNX fp32 parity check failed: {parity.describe()}; nothing was written (raise the "
                               "tolerance with --tolerance only if this error is acceptable)")
+        q_dir: Path | None = None  # the int8 file's own folder: _publish moves every file of a folder
         if int8:
-            q_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.int8.", dir=out.parent))
+            q_dir = stack.enter_context(staging(out, "int8"))
             q_path = q_dir / int8_path_for(out).name
             quantize.quantize_classifier(model, tmp_dir / out.name, q_path)
             gate = quantize.check_int8(
@@ -170,10 +167,6 @@ def export_classifier(model: ImageModel, out: Path, *, tolerance: float, opset: 
         files = _publish(tmp_dir, out.name, out.parent)
         if q_dir is not None:
             files += _publish(q_dir, int8_path_for(out).name, out.parent)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        if q_dir is not None:
-            shutil.rmtree(q_dir, ignore_errors=True)
     report = {"path": str(out), "files": files, "parity": asdict(parity), "parity_line": parity.describe()}
     if gate is not None:
         report.update(int8_path=str(int8_path_for(out)), int8=asdict(gate), int8_line=gate.describe())

@@ -23,8 +23,6 @@ same order, scores within ``tolerance`` and box coordinates within ``box_toleran
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -258,19 +256,14 @@ def trace_detector(model: ImageModel, path: Path, opset: int | None, meta_key: s
 def export_detector(model: ImageModel, out: Path, *, tolerance: float, opset: int | None,
                     meta_key: str) -> dict[str, Any]:
     """Trace into a temp folder beside ``out``, gate, then rename into place; on any failure nothing is left."""
-    from crosstrain.plugins.export.onnx_export import _publish
+    from crosstrain.plugins.export.onnx_export import _publish, check_onnx_out, staging
 
-    if out.suffix != ".onnx" or out.is_dir():
-        raise ExportError(f"--out {out} must be a file path ending in .onnx")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    check_onnx_out(out)
+    with staging(out) as tmp_dir:
         trace_detector(model, tmp_dir / out.name, opset, meta_key)
         parity = check_detect_parity(model, tmp_dir / out.name, tolerance)
         if not parity.passed:
             raise ParityError(f"ONNX detector parity check failed: {parity.describe()}; nothing was written (raise "
                               "--tolerance only if this error is acceptable)")
         files = _publish(tmp_dir, out.name, out.parent)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
     return {"path": str(out), "files": files, "parity": asdict(parity), "parity_line": parity.describe()}

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -225,19 +223,15 @@ def export_qat_classifier(model: ImageModel, out: Path, *, opset: int | None = N
     """Trace, quantise with the trained scales, gate and publish ``out``; on any failure nothing is left there.
     The report adds the benchmark figures of :mod:`.quantize` (held-out top-1, bytes, latency at 1 thread) of
     ``out`` against the traced float twin."""
-    from crosstrain.plugins.export.onnx_export import _publish
+    from crosstrain.plugins.export.onnx_export import _publish, check_onnx_out, staging
     from crosstrain.plugins.vision import quantize
     from crosstrain.plugins.vision.export import trace
 
-    if out.suffix != ".onnx" or out.is_dir():
-        raise ExportError(f"--out {out} must be a file path ending in .onnx")
+    check_onnx_out(out)
     if not _static(model.model):
         raise ExportError(f"{model.source} was not trained with quant.qat=\"int8\"; export --int8 quantises a "
                           "floating-point classifier after training")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work.", dir=out.parent))
-    pub = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staging(out, "work") as work, staging(out) as pub:  # work: the float twin, never published
         fp = work / "float.onnx"
         trace(dataclasses.replace(model, model=float_twin(model.model)), fp, opset)
         stored = quantize_qat(model, fp, pub / out.name)
@@ -246,9 +240,6 @@ def export_qat_classifier(model: ImageModel, out: Path, *, opset: int | None = N
             raise ParityError(f"ONNX int8 QAT parity check failed: {parity.describe()}; nothing was written")
         figures = quantize.check_int8(model, fp, pub / out.name, min_agreement=0.0, max_drop_points=100.0)
         files = _publish(pub, out.name, out.parent)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(pub, ignore_errors=True)
     bench = {k: v for k, v in dataclasses.asdict(figures).items()
              if k not in ("min_agreement", "max_drop_points", "passed", "drop_points")}
     return {"path": str(out), "files": files, "stored_checked": stored, "parity": dataclasses.asdict(parity),

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,6 @@ from typing import Any
 from crosstrain.checkpoint.atomic import disk_errors
 from crosstrain.plugins.compress.qat.convert import fake_quantised, integer_model, quantized_bytes
 from crosstrain.plugins.compress.qat.schemes import Scheme
-from crosstrain.plugins.export.errors import ExportError
 from crosstrain.plugins.export.parity import ParityReport
 
 #: ``DequantizeLinear`` with int4 blocks needs opset 21.
@@ -61,11 +58,10 @@ def export_quantized_onnx(loaded: Any, out: str | os.PathLike[str], scheme: Sche
     from crosstrain.plugins.compress.qat.onnx_weights import integer_graph, nbits_block
     from crosstrain.plugins.export.int_model import ort_reference, quantize_embedding
     from crosstrain.plugins.export.int_parity import check_integer_parity
-    from crosstrain.plugins.export.onnx_export import _publish, metadata, trace_to_onnx
+    from crosstrain.plugins.export.onnx_export import _publish, check_onnx_out, metadata, staging, trace_to_onnx
 
     out_path = Path(out)
-    if out_path.suffix != ".onnx" or out_path.is_dir():
-        raise ExportError(f"--out {out_path} must be a file path ending in .onnx")
+    check_onnx_out(out_path)
     if scheme.weight_bits == 4 and not nbits_block(scheme.group_size):
         from crosstrain.errors import ConfigError
 
@@ -77,9 +73,7 @@ def export_quantized_onnx(loaded: Any, out: str | os.PathLike[str], scheme: Sche
     reference = ort_reference(converted, weights, embedding)
     meta = metadata(loaded, {META_QUANT: json.dumps({"scheme": scheme.name, "group_size": scheme.group_size,
                                                       "ptq": ptq, "embedding": "int8" if embedding else "fp32"})})
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
-    try:
+    with staging(out_path) as tmp_dir:
         tmp = tmp_dir / out_path.name
         with fake_quant_disabled(converted):  # float matmuls on q * s: traced, then rewritten to integer ops below
             trace_to_onnx(converted, tmp, meta, opset=max(opset or MIN_OPSET, MIN_OPSET))
@@ -93,8 +87,6 @@ def export_quantized_onnx(loaded: Any, out: str | os.PathLike[str], scheme: Sche
                                           label=scheme.name)
         size = tmp.stat().st_size
         files = _publish(tmp_dir, out_path.name, out_path.parent)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
     layers = len(weights) + (1 if embedding is not None and embedding.head_block else 0)
     return QuantExportReport(str(out_path), scheme.name, scheme.group_size, ptq, parity, size,
                              quantized_bytes(weights), layers, files)
