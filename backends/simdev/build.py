@@ -6,15 +6,23 @@ The first import in a fresh cache compiles it (about a minute on two cores, ``be
 later process loads the cached library. The folder is keyed by a hash of the sources, and torch compiles the copy of
 the sources kept in it: two checkouts of the same sources share one build, and different sources (another branch,
 an edited runtime) get their own, instead of rebuilding one folder in turn (ninja rebuilds on any change of a
-source's path) under processes that have it loaded. torch serialises concurrent builds (two ranks starting at once)
-with a lock file in the build folder.
+source's path) under processes that have it loaded.
+
+Concurrent builds (two ranks starting at once) are serialised by :func:`build_lock`, an ``flock`` the kernel drops
+when its holder dies. torch's own guard, a ``lock`` file its builder creates and deletes (``FileBaton``), stays
+behind when a build is killed, and every later builder would wait for it forever; under our lock no live builder
+holds it, so it is removed (a crosstrain from before this lock sharing the folder would not take it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
+from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
@@ -79,18 +87,34 @@ def find_ninja() -> str | None:
     return found
 
 
-def load(verbose: bool = False) -> ModuleType:
-    """The compiled extension (built now when the cache has none for these sources)."""
+@contextlib.contextmanager
+def build_lock(folder: str) -> Iterator[None]:
+    """Hold the exclusive ``flock`` of ``folder``/build.flock, and remove a ``lock`` file of torch's found there:
+    every crosstrain builder of ``folder`` takes this lock before torch's, so that one was left by a dead builder."""
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, "build.flock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the close below, or by the kernel when this process dies
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, "lock"))
+        yield
+    finally:
+        os.close(fd)
+
+
+def locked_load(build_directory: str, **kwargs: Any) -> Any:
+    """``torch.utils.cpp_extension.load(build_directory=..., **kwargs)`` under :func:`build_lock`."""
     from torch.utils import cpp_extension
 
     find_ninja()
+    with build_lock(build_directory):
+        return cpp_extension.load(build_directory=build_directory, **kwargs)
 
+
+def load(verbose: bool = False) -> ModuleType:
+    """The compiled extension (built now when the cache has none for these sources)."""
     folder = cache_dir()
     src = _copy_sources(folder)
-    return cpp_extension.load(
-        name=NAME,
-        sources=[os.path.join(src, s) for s in SOURCES],
-        extra_cflags=["-O2"],
-        build_directory=folder,
-        verbose=verbose,
-    )
+    module: ModuleType = locked_load(folder, name=NAME, sources=[os.path.join(src, s) for s in SOURCES],
+                                     extra_cflags=["-O2"], verbose=verbose)
+    return module
