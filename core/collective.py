@@ -245,16 +245,38 @@ class Collective:
         return torch.device("cpu") if self.device.type == "cpu" else self.device.current_device()
 
 
+def served_device(device: torch.device, group: Any = None) -> torch.device:
+    """Where ``group`` runs a collective on a tensor that lives on ``device``: there when one of the group's
+    backends serves that device type, else on the host (or, with no host backend, the first device type served).
+
+    ``dist.get_backend_config`` lists each backend with what it serves: ``"cpu:gloo,cuda:nccl"``; a plain ``gloo``
+    is ``"cpu:gloo,cuda:gloo"`` (torch's ``Backend.backend_capability``: gloo stages CUDA tensors through the
+    host itself); a registered backend serves the devices it registered (simdev: ``"cpu:gloo,simdev:simgloo"``)."""
+    served = [pair.split(":", 1)[0] for pair in dist.get_backend_config(group).split(",")]
+    if device.type in served:
+        return device
+    return torch.device("cpu" if "cpu" in served else served[0])
+
+
+def all_reduce_served(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> torch.Tensor:
+    """``tensor`` all-reduced over ``group``, copied to where the group can reduce it (:func:`served_device`) and
+    back; in place when no copy is needed. Returns the reduced tensor, on ``tensor``'s device."""
+    device = served_device(tensor.device, group)
+    if device == tensor.device:
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=op, group=group)
+    return moved.to(tensor.device)
+
+
 def global_sums(values: torch.Tensor, copies: int = 1) -> torch.Tensor:
     """``values`` summed over every rank (one all-reduce, in float64), divided by ``copies``: the number of ranks
     that hold the same data (tensor/pipeline-parallel peers), so the result is the sum over data-parallel ranks.
     Without a process group (or in a group of one) it is ``values / copies``."""
     out = values.detach().double().clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        backend_device = out.device if dist.get_backend() != "gloo" else torch.device("cpu")
-        moved = out.to(backend_device)
-        dist.all_reduce(moved)
-        out = moved.to(values.device)
+        out = all_reduce_served(out)
     return out / copies
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from crosstrain.collective import served_device
 from crosstrain.errors import CollectiveError
 
 #: columns of the agreed table before the per-expert row counts
@@ -26,8 +27,9 @@ def agree(layer: str, layer_id: int, counts: torch.Tensor, capacity: int, group:
     row = torch.cat([torch.tensor([layer_id, counts.numel(), capacity], dtype=torch.int64),
                      counts.detach().to("cpu", torch.int64).reshape(-1)])
     size = dist.get_world_size(group)
-    device = _comm_device(group, counts.device)
-    mine = row.to(device)
+    # the row stays on the host where the group serves it: its async wait honours timeout_s there (simdev's simgloo
+    # completes a device collective inside the call, so a rank that never arrives would block past the timeout)
+    mine = row.to(served_device(row.device, group))
     # a size-tagged first exchange, so a rank with a different number of experts cannot hang the second one
     table = _gather(mine, size, group, timeout_s, layer).cpu()
     for col, what in ((LAYER, "the layer"), (EXPERTS, "the number of experts"), (CAPACITY, "the capacity")):
@@ -38,11 +40,6 @@ def agree(layer: str, layer_id: int, counts: torch.Tensor, capacity: int, group:
                    if col == CAPACITY else "build the same model with the same [moe] section on every rank")
             raise CollectiveError(f"moe layer {layer}: expert-parallel ranks disagree on {what} ({got}); {fix}")
     return table
-
-
-def _comm_device(group: Any, device: torch.device) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    return torch.device("cpu") if "gloo" in backend else device
 
 
 def _gather(row: torch.Tensor, size: int, group: Any, timeout_s: float, layer: str) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.ao.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase, FusedMovingAvgObsFakeQuantize
 from torch.ao.quantization.observer import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
 
+from crosstrain.collective import all_reduce_served
 from crosstrain.errors import ConfigError
 from crosstrain.plugins.compress.qat.schemes import Scheme
 
@@ -87,10 +88,7 @@ class GlobalRangeActFakeQuant(FusedMovingAvgObsFakeQuantize):
             return super().forward(X)
         lo, hi = torch.aminmax(X.detach())
         ends = torch.stack([-lo, hi]).float()
-        on_host = dist.get_backend(self.dp_group) == "gloo" and ends.device.type != "cpu"
-        reduced = ends.cpu() if on_host else ends
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.dp_group)
-        ends = reduced.to(X.device).to(X.dtype)
+        ends = all_reduce_served(ends, dist.ReduceOp.MAX, self.dp_group).to(X.dtype)
         off = torch.zeros_like(self.observer_enabled)
         with torch.no_grad():
             self._fused(torch.stack([-ends[0], ends[1]]), self.observer_enabled, off)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from crosstrain.collective import global_sums
+from crosstrain.collective import all_reduce_served, global_sums
 from crosstrain.config import Config, gpt_config
 from crosstrain.data import chat_template
 from crosstrain.engine.recipe import MicroBatchLoss, ModelSpec, Recipe
@@ -360,7 +360,7 @@ class RLRecipe(Recipe):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            top = all_reduce_served(top, dist.ReduceOp.MAX)
         return float(top) * self.grad_accum
 
     # ------------------------------------------------------------------ eval
