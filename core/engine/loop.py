@@ -84,11 +84,11 @@ def train_step(run: Run, counters: Counters, checkpoints: Any = None) -> dict[st
         m.parallel.align_grads_()
     run.scaler.unscale_([p for m in trainable for p in m.params])
     grad_norms: dict[str, float] = {}
-    grad_scales: dict[str, float] = {}  # clipping factors the optimizer's step applies as it reads each gradient
+    step_args: dict[str, dict[str, float]] = {}  # a fused step's grad_scale: clipping applied as it reads a grad
     for m in trainable:
         if cfg.optim.grad_clip > 0 and getattr(m.optimizer, "takes_grad_scale", False):
             norm = m.parallel.grad_norm()  # the fused step scales each gradient in registers: one pass fewer
-            grad_scales[m.name] = float(clip_coefficient(norm, cfg.optim.grad_clip))
+            step_args[m.name] = {"grad_scale": float(clip_coefficient(norm, cfg.optim.grad_clip))}
         else:
             norm = m.parallel.clip_grad_norm_(cfg.optim.grad_clip)
         grad_norms[m.name] = float(norm)
@@ -96,10 +96,8 @@ def train_step(run: Run, counters: Counters, checkpoints: Any = None) -> dict[st
     finite = math.isfinite(loss_value) and all(math.isfinite(g) for g in grad_norms.values())
     for m in trainable:
         assert m.optimizer is not None
-        if finite and m.name in grad_scales:
-            m.optimizer.step(grad_scale=grad_scales[m.name])  # type: ignore[call-arg]
-        elif finite:
-            m.optimizer.step()
+        if finite:
+            m.optimizer.step(**step_args.get(m.name, {}))
         m.optimizer.zero_grad(set_to_none=True)
     run.scaler.update(finite)
     run.device_api.synchronize()
