@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from crosstrain import pluginmanager
+from crosstrain.collective import global_sums
 from crosstrain.engine import step as stepmod
 from crosstrain.engine.counters import Counters
 from crosstrain.engine.run import Run
@@ -32,10 +33,8 @@ def step_tokens(run: Run, micro: list[Any]) -> tuple[float, float]:
         return total, total
     real = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=run.device) for n, _ in counted]).sum()
     both = torch.stack([real, torch.tensor(float(sum(p for _, p in counted)), dtype=torch.float64, device=run.device)])
-    if run.world_size > 1:  # tp/pp ranks hold copies of their dp rank's batch: count each batch once
-        run.collective.all_reduce(both)
-        both /= run.world_size // run.sampler.dp_size
-    tokens, positions = both.tolist()
+    # tp/pp ranks hold copies of their dp rank's batch: count each batch once
+    tokens, positions = global_sums(both, run.world_size // run.sampler.dp_size).tolist()
     return tokens, positions
 
 
